@@ -1,0 +1,251 @@
+"""Qwen3 dense decoder, one definition for the trainer and the engine.
+
+Parameter names follow the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`, ...)
+so safetensors files load without renaming. Every floating-point reduction goes through
+`rzero.ops`, which is what makes the trainer's and the engine's numbers equal bit for bit.
+
+The forward pass works on a flat list of tokens from any number of sequences, described by an
+`AttentionMeta`: whole sequences for the trainer, prompt chunks and decode steps for the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from rzero import ops
+from rzero.ops import ATTN_BLOCK, AttentionMeta
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
+
+
+@dataclass
+class Qwen3Config:
+    """The fields of a Hugging Face Qwen3 / Qwen3-MoE config.json that the forward pass uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    # Qwen3-MoE only (num_experts == 0 means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> Qwen3Config:
+        """Read a parsed config.json; reject what this implementation does not compute."""
+        raw = dict(raw)
+        if "head_dim" not in raw and "hidden_size" in raw and "num_attention_heads" in raw:
+            raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+        raw.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"config.json: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        if "rope_theta" not in raw and "rope_theta" in rope:
+            raw["rope_theta"] = rope["rope_theta"]
+        if raw.get("attention_bias"):
+            raise ValueError("config.json: attention_bias=true is not supported (Qwen3 checkpoints have no biases)")
+        if raw.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window=true is not supported")
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads", "head_dim") if raw.get(n) is None]
+        if missing:
+            raise ValueError(f"config.json is missing required fields: {', '.join(missing)}")
+        config = cls(**{k: v for k, v in raw.items() if k in names})
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({config.num_key_value_heads})"
+            )
+        return config
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """A bias-free projection whose matmul goes through rzero.ops."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta, cache: KVCache | None
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(rows, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        real = meta.num_tokens
+        if cache is None:
+            # Whole sequences (the trainer): a private cache built out of place, so autograd flows.
+            shape = (meta.num_blocks * ATTN_BLOCK, self.num_kv_heads, self.head_dim)
+            k_cache = k.new_zeros(shape).index_copy(0, meta.slot_mapping, k[:real])
+            v_cache = v.new_zeros(shape).index_copy(0, meta.slot_mapping, v[:real])
+            k_cache = k_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
+            v_cache = v_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
+        else:
+            k_cache, v_cache = cache
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k[:real])
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v[:real])
+        out = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = self.build_mlp(config, layer)
+
+    def build_mlp(self, config: Qwen3Config, layer: int) -> nn.Module:
+        return MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta, cache: KVCache | None
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """`model.*` in the checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: Qwen3Config, layer_cls: type[DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    architecture = "Qwen3ForCausalLM"
+    model_type = "qwen3"
+    layer_cls: type[DecoderLayer] = DecoderLayer
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, self.layer_cls)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rotary_table(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMeta, kv_caches: list[KVCache] | None = None
+    ) -> torch.Tensor:
+        """Final hidden states (T, hidden) of the flat token list input_ids (T,)."""
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"{input_ids.shape[0]} input ids for an AttentionMeta of {meta.num_tokens} tokens")
+        positions = meta.positions
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+        # Pad the token rows once, up front, to the numerics' row tile (see rzero.ops).
+        ids = nn.functional.pad(input_ids, (0, meta.padded_tokens - meta.num_tokens))
+        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        h = self.model.embed_tokens(ids)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+        return self.model.norm(h)[: meta.num_tokens]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits in fp32 for the given rows of hidden states."""
+        return self.lm_head(hidden).float()
+
+    def new_kv_caches(self, num_blocks: int) -> list[KVCache]:
+        shape = (num_blocks, ATTN_BLOCK, self.config.num_key_value_heads, self.config.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Random initialisation for locally built models (normal(0, std), norms at one)."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def rotary_table(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin for every position, computed once: every path then reads the same numbers."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()

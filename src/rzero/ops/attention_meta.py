@@ -1,0 +1,104 @@
+"""Where each query token sits: which sequence, which position, which KV-cache blocks.
+
+Built once per forward pass and shared by every layer. The trainer (whole sequences, no cache)
+and the engine (prefill, decode and chunked prefill against a paged cache) describe their batches
+with the same structure, so both reach the same attention kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Keys are reduced in blocks of ATTN_BLOCK positions aligned at position 0; the paged KV cache
+# uses the same block size, so a cache block is exactly one attention block.
+ATTN_BLOCK = 16
+# Query rows per sequence are padded to a multiple of this: the CPU matmul kernels give each row
+# the same bits for any row count that is a multiple of 4 (tests/test_ops.py shows it).
+Q_TILE = 4
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class AttentionMeta:
+    num_tokens: int  # T: real query tokens in the flat batch
+    padded_tokens: int  # rows the model runs (T rounded up to the numerics' row tile)
+    q_lens: list[int]  # query tokens per sequence, in flat order
+    ctx_lens: list[int]  # tokens already cached before each sequence's queries
+    block_tables: torch.Tensor  # (B, n_blocks) cache block ids per sequence (padded with 0)
+    slot_mapping: torch.Tensor  # (T,) cache slot (block * ATTN_BLOCK + offset) of each query token
+    q_index: torch.Tensor  # (B, Mq) flat row of each padded query (padding repeats row 0)
+    q_positions: torch.Tensor  # (B, Mq) absolute position of each padded query (0 for padding)
+    kv_lens: torch.Tensor  # (B,) keys visible to the sequence: ctx_len + q_len
+    out_index: torch.Tensor  # (padded_tokens,) row of each token in the (B * Mq) attention output
+    num_blocks: int  # cache blocks referenced (the trainer allocates this many)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(padded_tokens,) absolute position of every token in flat order (0 for padding rows)."""
+        return self.q_positions.reshape(-1)[self.out_index]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.q_lens)
+
+    @classmethod
+    def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]]) -> AttentionMeta:
+        if not (len(q_lens) == len(ctx_lens) == len(block_tables)):
+            raise ValueError("q_lens, ctx_lens and block_tables must describe the same sequences")
+        num_seqs = len(q_lens)
+        total = sum(q_lens)
+        max_q = _round_up(max(q_lens), Q_TILE)
+        n_blocks = max(len(t) for t in block_tables)
+        tables = torch.zeros(num_seqs, n_blocks, dtype=torch.long)
+        q_index = torch.zeros(num_seqs, max_q, dtype=torch.long)
+        q_positions = torch.zeros(num_seqs, max_q, dtype=torch.long)
+        slots, out_index = [], []
+        start = 0
+        for i, (n, ctx, table) in enumerate(zip(q_lens, ctx_lens, block_tables)):
+            if n <= 0:
+                raise ValueError(f"sequence {i} has no query tokens")
+            if len(table) * ATTN_BLOCK < ctx + n:
+                raise ValueError(f"sequence {i}: {len(table)} blocks cannot hold {ctx + n} tokens")
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+            pos = torch.arange(ctx, ctx + n)
+            q_index[i, :n] = torch.arange(start, start + n)
+            q_positions[i, :n] = pos
+            slots.append(tables[i][pos // ATTN_BLOCK] * ATTN_BLOCK + pos % ATTN_BLOCK)
+            out_index.append(torch.arange(i * max_q, i * max_q + n))
+            start += n
+        from rzero import ops
+
+        padded = ops.padded_rows(total)
+        # Padding rows read the output of sequence 0's first query: finite, and never used.
+        out_index.append(torch.zeros(padded - total, dtype=torch.long))
+        return cls(
+            num_tokens=total,
+            padded_tokens=padded,
+            q_lens=list(q_lens),
+            ctx_lens=list(ctx_lens),
+            block_tables=tables,
+            slot_mapping=torch.cat(slots),
+            q_index=q_index,
+            q_positions=q_positions,
+            kv_lens=torch.tensor([c + n for c, n in zip(ctx_lens, q_lens)], dtype=torch.long),
+            out_index=torch.cat(out_index),
+            num_blocks=int(tables.max()) + 1,
+        )
+
+    @classmethod
+    def for_sequences(cls, lengths: list[int]) -> tuple[AttentionMeta, int]:
+        """Whole sequences with no prior cache (the trainer): consecutive private blocks.
+
+        Returns the meta and the number of cache blocks the forward pass must allocate.
+        """
+        tables, next_block = [], 0
+        for n in lengths:
+            count = _round_up(n, ATTN_BLOCK) // ATTN_BLOCK
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        return cls.build(list(lengths), [0] * len(lengths), tables), next_block

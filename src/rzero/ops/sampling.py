@@ -1,0 +1,68 @@
+"""The sampling transform, shared by the engine's sampler and the trainer's scorer.
+
+The engine samples from `transformed_logprobs(logits, transform)`; the trainer scores with the same
+function on its own logits. Under trainer-inference invariance the logits are bitwise equal, so
+the truncation masks and the log-probabilities are too.
+
+Choices (BRIEF §2): temperature divides the fp32 logits; top-k keeps the k largest transformed
+logits (ties at the k-th value are all kept); top-p keeps the smallest prefix of the
+probability-sorted vocabulary (stable sort, so ties go to the lower token id) whose mass reaches
+top_p, always at least one token. The behaviour logprob is taken under that renormalised,
+truncated distribution. Temperature 0 means greedy: the argmax token, scored under temperature 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingTransform:
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+def transformed_logprobs(logits: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
+    """(N, V) logits -> (N, V) fp32 log-probabilities of the distribution that is sampled."""
+    from rzero import ops
+
+    x = logits.float()
+    if transform.temperature > 0 and transform.temperature != 1.0:
+        x = x / transform.temperature
+    if transform.top_k and transform.top_k < x.shape[-1]:
+        kth = torch.topk(x, transform.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if transform.top_p < 1.0:
+        probs = ops.softmax(x)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # cumsum is a sequential scan
+        drop_sorted = mass_before >= transform.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return ops.log_softmax(x)
+
+
+def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row by the Gumbel-max trick with each row's own generator.
+
+    Per-row generators make a request's samples depend only on its seed, never on its batch.
+    """
+    tokens = torch.empty(logprobs.shape[0], dtype=torch.long)
+    for row, (is_greedy, gen) in enumerate(zip(greedy, generators)):
+        if is_greedy:
+            tokens[row] = torch.argmax(logprobs[row])
+            continue
+        uniform = torch.rand(logprobs.shape[-1], generator=gen).clamp_(min=1e-20)
+        tokens[row] = torch.argmax(logprobs[row] - torch.log(-torch.log(uniform)))
+    return tokens
