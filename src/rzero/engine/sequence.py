@@ -1,0 +1,114 @@
+"""Requests, their sampling parameters and what the engine returns for them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from rzero.ops import SamplingTransform
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)  # stop strings (need the engine's tokenizer)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None  # None: derived from the engine seed and the request number
+    n: int = 1  # samples of the same prompt; they share the prompt's KV cache blocks
+
+    def __post_init__(self) -> None:
+        self.transform  # validates temperature, top_p, top_k
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def transform(self) -> SamplingTransform:
+        return SamplingTransform(self.temperature, self.top_k, self.top_p)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class StepOutput:
+    """One sampled token, as the step-level API reports it."""
+
+    request_id: str
+    token_id: int
+    logprob: float  # behaviour logprob under the sampling transform
+    version: int  # weight version that sampled the token
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None
+    text: str | None = None
+
+
+class Sequence:
+    """One sample being generated: its tokens, its cache blocks and its bookkeeping."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        arrival: int,
+    ):
+        self.request_id = request_id
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.params = params
+        self.transform = params.transform
+        self.generator = generator
+        self.arrival = arrival
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+        self.block_hashes: list[int] = []  # prefix hashes of the computed full blocks
+        self.wait_for: Sequence | None = None  # group leader whose prompt blocks this sample reuses
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            token_ids=self.output_ids,
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason=self.finish_reason,
+            text=self.text,
+        )
