@@ -251,9 +251,13 @@ class Engine:
             batch = self._schedule()
             if not batch:
                 return []
-            ids, logit_rows, samplers = [], [], []
+            ids, logit_rows, samplers, prompt_rows = [], [], [], []
             for seq, n in batch:
+                start = len(ids)
                 ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+                if seq.prompt_logprobs is not None:
+                    last = min(seq.num_computed + n, seq.num_prompt_tokens - 1)
+                    prompt_rows.extend((seq, p, start + p - seq.num_computed) for p in range(seq.num_computed, last))
                 if seq.num_computed + n == len(seq):
                     logit_rows.append(len(ids) - 1)
                     samplers.append(seq)
@@ -264,6 +268,8 @@ class Engine:
             for seq, n in batch:
                 seq.num_computed += n
                 self._register_full_blocks(seq)
+            if prompt_rows:
+                self._score_prompt(prompt_rows, hidden)
             if not samplers:
                 return []
             logits = self.model.logits(hidden[logit_rows])
@@ -275,6 +281,13 @@ class Engine:
             h = block_hash(previous, seq.token_ids[i * ATTN_BLOCK : (i + 1) * ATTN_BLOCK])
             self.blocks.register(seq.block_table[i], h)
             seq.block_hashes.append(h)
+
+    def _score_prompt(self, rows: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
+        """Record logprobs of prompt tokens computed in this step (SamplingParams.prompt_logprobs)."""
+        logits = self.model.logits(hidden[[r for _, _, r in rows]])
+        for i, (seq, pos, _) in enumerate(rows):
+            lp = ops.transformed_logprobs(logits[i : i + 1], seq.transform)
+            seq.prompt_logprobs[pos] = lp[0, seq.token_ids[pos + 1]].item()
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor):
         tokens = torch.empty(len(seqs), dtype=torch.long)

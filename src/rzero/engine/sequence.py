@@ -21,6 +21,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None  # None: derived from the engine seed and the request number
     n: int = 1  # samples of the same prompt; they share the prompt's KV cache blocks
+    prompt_logprobs: bool = False  # also return the logprob of each prompt token it computes
 
     def __post_init__(self) -> None:
         self.transform  # validates temperature, top_p, top_k
@@ -65,6 +66,8 @@ class RequestOutput:
     versions: list[int]
     finish_reason: str | None
     text: str | None = None
+    # prompt_logprobs[i] is the logprob of prompt token i + 1; None where it came from the prefix cache
+    prompt_logprobs: list[float | None] | None = None
 
 
 class Sequence:
@@ -93,6 +96,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.block_hashes: list[int] = []  # prefix hashes of the computed full blocks
+        self.prompt_logprobs: list[float | None] | None = [None] * (len(prompt) - 1) if params.prompt_logprobs else None
         self.wait_for: Sequence | None = None  # group leader whose prompt blocks this sample reuses
 
     @property
@@ -111,4 +115,5 @@ class Sequence:
             versions=list(self.versions),
             finish_reason=self.finish_reason,
             text=self.text,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )

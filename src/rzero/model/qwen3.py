@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from rzero import ops
 from rzero.ops import ATTN_BLOCK, AttentionMeta
@@ -188,6 +189,7 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
+        self.gradient_checkpointing = False  # recompute each layer in backward instead of storing it
         self.model = Backbone(config, self.layer_cls)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
@@ -218,7 +220,11 @@ class Qwen3ForCausalLM(nn.Module):
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         h = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+            cache = None if kv_caches is None else kv_caches[i]
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, meta, cache, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, meta, cache)
         return self.model.norm(h)[: meta.num_tokens]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,15 +14,18 @@ C0 numerics audit reads (`trace_dispatch`).
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from rzero.ops import invariant as _inv
 from rzero.ops import standard as _std
 from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
-from rzero.ops.sampling import SamplingTransform, sample_tokens, transformed_logprobs
+from rzero.ops import sampling as _sampling
+from rzero.ops.sampling import SamplingTransform
 
 NUMERICS_MODES = ("invariant", "standard")
 ROW_TILE = _inv.ROW_TILE
@@ -30,6 +33,7 @@ ROW_TILE = _inv.ROW_TILE
 _mode: str = "invariant"
 _impl = _inv
 _trace: Counter | None = None
+_inside = threading.local()  # depth of rzero-op calls on this thread (the C0 audit reads it)
 
 
 def set_numerics(mode: str) -> None:
@@ -66,9 +70,26 @@ def trace_dispatch() -> Iterator[Counter]:
         _trace = previous
 
 
-def _record(name: str) -> None:
-    if _trace is not None:
-        _trace[f"{_mode}.{name}"] += 1
+def inside_op() -> bool:
+    """True while this thread is executing an rzero op (used to find stock kernels leaking in)."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+def _op(fn: Callable) -> Callable:
+    """Count the call in the dispatch trace and mark the thread as inside an rzero op."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _trace is not None:
+            _trace[f"{_mode}.{name}"] += 1
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    return wrapper
 
 
 def padded_rows(num_rows: int) -> int:
@@ -77,43 +98,44 @@ def padded_rows(num_rows: int) -> int:
     return _impl.padded_rows(num_rows)
 
 
+@_op
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T over the last dim of x (no bias: Qwen3 has none)."""
-    _record("linear")
     return _impl.linear(x, weight)
 
 
+@_op
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    _record("rms_norm")
     return _impl.rms_norm(x, weight, eps)
 
 
+@_op
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (the SwiGLU activation)."""
-    _record("silu_mul")
     return _impl.silu_mul(gate, up)
 
 
+@_op
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (rotate-half convention); elementwise, identical in both modes."""
-    _record("apply_rotary")
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
+@_op
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim, computed in fp32."""
-    _record("log_softmax")
     return _impl.log_softmax(x)
 
 
+@_op
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim, computed in fp32."""
-    _record("softmax")
     return _impl.softmax(x)
 
 
+@_op
 def attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -126,21 +148,24 @@ def attention(
     The caches hold (num_blocks, ATTN_BLOCK, Hkv, D) and already contain the keys and values of
     the query tokens themselves (the caller writes them first). GQA when H > Hkv.
     """
-    _record("attention")
     return _impl.attention(q, k_cache, v_cache, meta, scale)
 
 
+@_op
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert choice: returns (weights (T, k) fp32, expert ids (T, k))."""
-    _record("moe_route")
     return _impl.moe_route(router_logits, top_k, normalize)
 
 
+@_op
 def moe_combine(expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over the k expert outputs (T, k, H) with weights (T, k) -> (T, H)."""
-    _record("moe_combine")
     return _impl.moe_combine(expert_outputs, weights)
 
+
+# The sampling transform sorts, scans and normalises: it is an op like the others.
+transformed_logprobs = _op(_sampling.transformed_logprobs)
+sample_tokens = _op(_sampling.sample_tokens)
 
 __all__ = [
     "ATTN_BLOCK",
@@ -151,6 +176,7 @@ __all__ = [
     "apply_rotary",
     "attention",
     "get_numerics",
+    "inside_op",
     "linear",
     "log_softmax",
     "moe_combine",
