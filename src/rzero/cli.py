@@ -20,6 +20,19 @@ def _check(args: argparse.Namespace) -> int:
     return check_main(args)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from rzero.train.run import main as train_main
+
+    return train_main(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rzero.train.report import write_report
+
+    print(f"wrote {write_report(args.run_dir)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rzero", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_check)
+
+    p = sub.add_parser("train", help="run asynchronous RL (no arguments: the embedded default job)")
+    p.add_argument("config", nargs="?", help="TOML run config (default: built-in defaults = configs/default.toml)")
+    p.add_argument("--out", help="run directory (default: a new folder under runs/)")
+    p.add_argument("--steps", type=int, help="number of trainer steps")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. rollout.max_lag=8")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("report", help="write PNG plots and a Markdown summary of a run")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_report)
     return parser
 
 
@@ -45,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"rzero {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,1 @@
+"""Tasks and tools the rollouts run in."""

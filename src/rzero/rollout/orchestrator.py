@@ -1,0 +1,227 @@
+"""Rollout workers that run beside the trainer, with a bound on the weight lag of every token.
+
+A *group* is `group_size` samples of one prompt; group g is task g of the environment, sampled
+with seeds derived from (run seed, g), so its content depends only on the weights that sample it.
+
+Bounded lag. Each trainer step consumes `prompts_per_step` (P) groups. Workers may start group g
+only while g < (version + max_lag + 1) * P + dropped, where version is the latest published
+weight version: at most max_lag + 1 steps' worth of groups exist ahead of the trainer, which is
+also what keeps memory flat (back-pressure). The trainer takes finished groups oldest first and
+never trains on a token older than max_lag versions: a group that finished too late for that is
+dropped and counted (`rollout/dropped_stale`). `mode = "sync"` with max_lag = 0 is the synchronous
+baseline: P groups are sampled with version s, trained on at step s, and only then are the next
+P started.
+
+The trainer talks to a `RolloutBackend`; `LocalBackend` runs workers as threads in this process
+(the embedded default). A Ray backend can implement the same four methods.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Protocol
+
+import torch
+
+from rzero.engine import Engine, SamplingParams
+from rzero.ops import SamplingTransform
+from rzero.train.trainer import Rollout
+
+
+class RolloutBackend(Protocol):
+    def start(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+    def get_groups(self, step: int, count: int) -> list[list[Rollout]]: ...
+    def stop(self) -> None: ...
+    def state_dict(self) -> dict: ...
+
+
+class LocalBackend:
+    def __init__(
+        self,
+        make_engine: Callable[[], Engine],
+        env,
+        *,
+        prompts_per_step: int,
+        group_size: int,
+        max_lag: int,
+        sampling: SamplingParams,
+        seed: int,
+        workers: int = 1,
+        rollout_delay_s: float = 0.0,
+        state: dict | None = None,
+    ):
+        self.make_engine, self.env = make_engine, env
+        self.prompts_per_step, self.group_size, self.max_lag = prompts_per_step, group_size, max_lag
+        self.sampling, self.seed, self.num_workers = sampling, seed, workers
+        self.rollout_delay_s = rollout_delay_s
+        self.cond = threading.Condition()
+        self.version = 0
+        self.weights: dict[str, torch.Tensor] | None = None
+        state = state or {}
+        self.next_group = state.get("next_group", 0)
+        self.dropped = state.get("dropped", 0)
+        self.finished: dict[int, list[Rollout]] = {
+            int(g): [_rollout_from_dict(r) for r in rs] for g, rs in state.get("finished", {}).items()
+        }
+        # Groups that were in flight when the checkpoint was taken: sampled again from scratch.
+        self.restart: list[int] = sorted(state.get("in_flight", []))
+        self.in_flight: set[int] = set()
+        self.reward_failures = state.get("reward_failures", 0)
+        self.errors: list[BaseException] = []
+        self._stop = False
+        self._threads: list[threading.Thread] = []
+        self._env_pool = ThreadPoolExecutor(max_workers=max(4, prompts_per_step), thread_name_prefix="env")
+
+    # -------------------------------------------------------------- trainer side
+
+    def start(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.weights, self.version = weights, version
+        for i in range(self.num_workers):
+            t = threading.Thread(target=self._worker, name=f"rollout-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        with self.cond:
+            self.weights, self.version = weights, version
+            self.cond.notify_all()
+
+    def get_groups(self, step: int, count: int) -> list[list[Rollout]]:
+        """Block until `count` finished groups whose tokens all have lag <= max_lag at `step`."""
+        oldest_allowed = step - self.max_lag
+        with self.cond:
+            while True:
+                if self.errors:
+                    raise RuntimeError("a rollout worker failed") from self.errors[0]
+                for g in sorted(self.finished):
+                    if min(min(r.versions, default=step) for r in self.finished[g]) < oldest_allowed:
+                        del self.finished[g]
+                        self.dropped += 1
+                        self.cond.notify_all()
+                if len(self.finished) >= count:
+                    chosen = sorted(self.finished)[:count]
+                    return [self.finished.pop(g) for g in chosen]
+                self.cond.wait(timeout=0.5)
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=30)
+        self._env_pool.shutdown(wait=True, cancel_futures=True)
+
+    def state_dict(self) -> dict:
+        with self.cond:
+            return {
+                "next_group": self.next_group,
+                "dropped": self.dropped,
+                "reward_failures": self.reward_failures,
+                "finished": {g: [asdict(r) for r in rs] for g, rs in self.finished.items()},
+                "in_flight": sorted(self.in_flight | set(self.restart)),
+            }
+
+    def stats(self) -> dict[str, float]:
+        with self.cond:
+            return {
+                "rollout/dropped_stale": float(self.dropped),
+                "rollout/reward_failures": float(self.reward_failures),
+                "rollout/queued_groups": float(len(self.finished)),
+                "rollout/in_flight_groups": float(len(self.in_flight)),
+            }
+
+    # --------------------------------------------------------------- worker side
+
+    def _admissible(self) -> int | None:
+        """The next group this worker may start, or None (called with the lock held)."""
+        if self.restart:
+            return self.restart.pop(0)
+        limit = (self.version + self.max_lag + 1) * self.prompts_per_step + self.dropped
+        if self.next_group < limit:
+            self.next_group += 1
+            return self.next_group - 1
+        return None
+
+    def _worker(self) -> None:
+        try:
+            self._work()
+        except BaseException as err:  # surface to the trainer instead of dying silently
+            with self.cond:
+                self.errors.append(err)
+                self.cond.notify_all()
+
+    def _work(self) -> None:
+        engine = self.make_engine()
+        local_version = None
+        members: dict[str, tuple[int, int]] = {}
+        outputs: dict[int, dict[int, object]] = {}
+        while True:
+            with self.cond:
+                if self._stop:
+                    return
+                if local_version != self.version:
+                    weights, version = self.weights, self.version
+                else:
+                    weights = None
+                starts = []
+                while (g := self._admissible()) is not None:
+                    starts.append(g)
+                    self.in_flight.add(g)
+                if weights is None and not starts and not engine.has_unfinished():
+                    self.cond.wait(timeout=0.5)
+                    continue
+            if weights is not None:
+                engine.update_weights(weights, version)
+                local_version = version
+            for g in starts:
+                task = self.env.task(g)
+                params = SamplingParams(**{**asdict(self.sampling), "n": self.group_size, "seed": self.seed * 7919 + g})
+                for j, rid in enumerate(engine.add_request(task.prompt, params, request_id=f"g{g}")):
+                    members[rid] = (g, j)
+                outputs[g] = {}
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                g, j = members.pop(out.request_id)
+                outputs[g][j] = engine.pop_output(out.request_id)
+                if len(outputs[g]) == self.group_size:
+                    done = outputs.pop(g)
+                    self._env_pool.submit(self._finish_group, g, [done[i] for i in range(self.group_size)])
+
+    def _finish_group(self, g: int, outs: list) -> None:
+        """Environment side of a finished group: (slow) reward computation, then hand it over."""
+        try:
+            if self.rollout_delay_s:
+                time.sleep(self.rollout_delay_s)
+            task = self.env.task(g)
+            transform = self.sampling.transform
+            rollouts, failures = [], 0
+            for o in outs:
+                try:
+                    reward, failed = float(self.env.reward(task, o.text or "")), False
+                except Exception:
+                    reward, failed = 0.0, True
+                    failures += 1
+                rollouts.append(
+                    Rollout(g, o.prompt_token_ids, o.token_ids, o.logprobs, o.versions, reward, transform, failed)
+                )
+            with self.cond:
+                self.in_flight.discard(g)
+                self.finished[g] = rollouts
+                self.reward_failures += failures
+                self.cond.notify_all()
+        except BaseException as err:
+            with self.cond:
+                self.errors.append(err)
+                self.cond.notify_all()
+
+
+def _rollout_from_dict(d: dict) -> Rollout:
+    d = dict(d)
+    d["transform"] = SamplingTransform(**d["transform"]) if isinstance(d["transform"], dict) else d["transform"]
+    return Rollout(**d)

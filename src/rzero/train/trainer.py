@@ -1,0 +1,265 @@
+"""The trainer: scores rollouts with the engine's model code, takes AdamW steps, publishes weights.
+
+fp32 master weights live in `master`; the forward runs in `compute`, a copy cast to the model
+dtype that is exactly what every engine holds at the same version (C1). Step s computes
+π with the weights of version s and publishes version s + 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from rzero import ops
+from rzero.model.qwen3 import Qwen3ForCausalLM
+from rzero.ops import AttentionMeta, SamplingTransform
+from rzero.train.losses import LossSettings, group_advantages, policy_loss
+
+
+@dataclass
+class Rollout:
+    """One finished sample, as the orchestrator hands it to the trainer."""
+
+    group: int  # index of its group (prompt) in start order
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour logprobs μ_t
+    versions: list[int]  # weight version that sampled each token
+    reward: float
+    transform: SamplingTransform = field(default_factory=SamplingTransform)
+    reward_failed: bool = False  # the reward function raised; reward was set to 0
+
+
+@dataclass
+class TrainerSettings:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 1
+    micro_batch_tokens: int = 4096
+    leave_one_out: bool = False
+    advantage_std_norm: bool = False
+    decompose: bool = True
+    max_lag: int = 0
+    loss: LossSettings = field(default_factory=LossSettings)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "cosine":
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+class Trainer:
+    def __init__(self, master: Qwen3ForCausalLM, dtype: torch.dtype, settings: TrainerSettings, version: int = 0):
+        self.settings = settings
+        self.master = master.float().train()
+        self.compute = self.master if dtype == torch.float32 else copy.deepcopy(self.master).to(dtype)
+        self.optimizer = torch.optim.AdamW(
+            self.master.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, settings.warmup_steps, settings.total_steps, settings.schedule),
+        )
+        self.version = version
+        self.skipped_updates = 0
+        self.ring: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._scratch: Qwen3ForCausalLM | None = None
+        self._remember_version()
+
+    # ----------------------------------------------------------------- weights
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights of the current version in the model dtype (what engines load)."""
+        return {name: p.detach().clone() for name, p in self.compute.named_parameters()}
+
+    def _sync_compute(self) -> None:
+        if self.compute is not self.master:
+            with torch.no_grad():
+                for dst, src in zip(self.compute.parameters(), self.master.parameters()):
+                    dst.copy_(src)
+
+    def _remember_version(self) -> None:
+        """Keep the weights of the last max_lag + 1 versions for the log-ratio decomposition."""
+        if not self.settings.decompose:
+            return
+        self.ring[self.version] = self.engine_state_dict()
+        while len(self.ring) > self.settings.max_lag + 1:
+            self.ring.popitem(last=False)
+
+    # ----------------------------------------------------------------- scoring
+
+    def token_logprobs(self, model: Qwen3ForCausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """log π(a_t) of every completion token under `model`, one tensor per rollout."""
+        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+        meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
+        hidden = model(torch.tensor([t for s in seqs for t in s], dtype=torch.long), meta)
+        rows, targets, offset = [], [], 0
+        for r, s in zip(rollouts, seqs):
+            start = offset + len(r.prompt_ids) - 1
+            rows.extend(range(start, start + len(r.completion_ids)))
+            targets.extend(r.completion_ids)
+            offset += len(s)
+        logits = model.logits(hidden[rows])
+        target = torch.tensor(targets, dtype=torch.long)
+        by_transform: dict[SamplingTransform, list[int]] = {}
+        cursor = 0
+        for r in rollouts:
+            by_transform.setdefault(r.transform, []).extend(range(cursor, cursor + len(r.completion_ids)))
+            cursor += len(r.completion_ids)
+        out = torch.empty(len(rows), dtype=torch.float32)
+        for transform, idx in by_transform.items():
+            idx_t = torch.tensor(idx, dtype=torch.long)
+            lp = ops.transformed_logprobs(logits[idx_t], transform)
+            out[idx_t] = lp.gather(1, target[idx_t, None])[:, 0]
+        return list(out.split([len(r.completion_ids) for r in rollouts]))
+
+    def _micro_batches(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+        batches, current, tokens = [], [], 0
+        for r in rollouts:
+            n = len(r.prompt_ids) + len(r.completion_ids)
+            if current and tokens + n > self.settings.micro_batch_tokens:
+                batches.append(current)
+                current, tokens = [], 0
+            current.append(r)
+            tokens += n
+        if current:
+            batches.append(current)
+        return batches
+
+    # -------------------------------------------------------------------- step
+
+    def train_step(self, groups: list[list[Rollout]]) -> dict[str, float]:
+        """One optimizer step on the given groups; publishes version + 1. Returns metrics."""
+        s = self.settings
+        rollouts = [r for g in groups for r in g]
+        rollouts = [r for r in rollouts if r.completion_ids]
+        advantages = {}
+        for g in groups:
+            adv = group_advantages(torch.tensor([r.reward for r in g]), s.leave_one_out, s.advantage_std_norm)
+            advantages.update({id(r): float(a) for r, a in zip(g, adv)})
+        num_tokens = sum(len(r.completion_ids) for r in rollouts)
+        normalizer = float(max(num_tokens, 1))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.compute.zero_grad(set_to_none=True)
+        loss_total, trainer_lps, finite = 0.0, [], True
+        for mb in self._micro_batches(rollouts):
+            lps = self.token_logprobs(self.compute, mb)
+            lp = torch.cat(lps)
+            mu = torch.tensor([x for r in mb for x in r.logprobs], dtype=torch.float32)
+            adv = torch.tensor([advantages[id(r)] for r in mb for _ in r.completion_ids], dtype=torch.float32)
+            seq_index = torch.tensor([i for i, r in enumerate(mb) for _ in r.completion_ids], dtype=torch.long)
+            loss, _ = policy_loss(lp, mu, adv, seq_index, normalizer, s.loss)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            loss_total += float(loss)
+            trainer_lps.extend(x.detach() for x in lps)
+        metrics: dict[str, float] = {}
+        grad_norm = float("nan")
+        if finite:
+            if self.compute is not self.master:
+                for mp, cp in zip(self.master.parameters(), self.compute.parameters()):
+                    mp.grad = None if cp.grad is None else cp.grad.float()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), s.grad_clip))
+            finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            metrics.update(self._diagnostics(rollouts, trainer_lps))
+        else:
+            self.skipped_updates += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.compute.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self._sync_compute()
+        self.version += 1
+        self._remember_version()
+        metrics.update(
+            {
+                "loss": loss_total if finite else float("nan"),
+                "grad_norm": grad_norm,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "train/skipped_updates": float(self.skipped_updates),
+                "train/completion_tokens": float(num_tokens),
+            }
+        )
+        return metrics
+
+    # ------------------------------------------------------------- diagnostics
+
+    @torch.no_grad()
+    def _diagnostics(self, rollouts: list[Rollout], trainer_lps: list[torch.Tensor]) -> dict[str, float]:
+        step = self.version
+        pi = torch.cat(trainer_lps)
+        mu = torch.tensor([x for r in rollouts for x in r.logprobs], dtype=torch.float32)
+        versions = torch.tensor([v for r in rollouts for v in r.versions], dtype=torch.long)
+        log_w = pi - mu
+        w = torch.exp(log_w)
+        median = float(w.median())
+        lag = (step - versions).float()
+        out = {
+            "is/peak": float(w.max()),
+            "is/median": median,
+            "is/peak_over_median": float(w.max()) / median if median > 0 else float("inf"),
+            "is/ess": float(w.sum() ** 2 / (w.numel() * (w * w).sum())),
+            "is/mismatch_kl": float((w - log_w - 1).mean()),
+            "is/frac_above_2": float((w > 2).float().mean()),
+            "lag/mean": float(lag.mean()),
+            "lag/max": float(lag.max()),
+        }
+        if self.settings.decompose:
+            pi_v = pi.clone()
+            for v in sorted(set(versions.tolist()) - {step}):
+                if v not in self.ring:
+                    raise RuntimeError(f"weights of version {v} left the ring buffer (lag beyond max_lag?)")
+                chosen = [i for i, r in enumerate(rollouts) if v in r.versions]
+                scored = self.token_logprobs(self._scratch_model(v), [rollouts[i] for i in chosen])
+                offsets = torch.tensor([0] + [len(r.completion_ids) for r in rollouts]).cumsum(0)
+                for i, lp in zip(chosen, scored):
+                    sl = slice(int(offsets[i]), int(offsets[i + 1]))
+                    mask = versions[sl] == v
+                    pi_v[sl][mask] = lp[mask]
+            out["mismatch/kernel_max_abs"] = float((pi_v - mu).abs().max())
+            out["mismatch/lag_max_abs"] = float((pi - pi_v).abs().max())
+        return out
+
+    def _scratch_model(self, version: int) -> Qwen3ForCausalLM:
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.compute).eval()
+            for p in self._scratch.parameters():
+                p.requires_grad_(False)
+        with torch.no_grad():
+            for name, p in self._scratch.named_parameters():
+                p.copy_(self.ring[version][name])
+        return self._scratch
+
+    # ------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "skipped_updates": self.skipped_updates,
+            "ring": dict(self.ring),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        self.skipped_updates = state["skipped_updates"]
+        self.ring = OrderedDict(sorted(state["ring"].items()))
+        self._sync_compute()
