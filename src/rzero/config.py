@@ -52,7 +52,6 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     workers: int = Field(1, ge=1)
-    queue_size: int = Field(0, ge=0)  # finished groups held for the trainer; 0: (max_lag + 1) steps' worth
     recompute_on_update: bool = True
 
     @model_validator(mode="after")

@@ -1,0 +1,68 @@
+"""Run configs: TOML + --set overrides; bad keys and values are rejected with their names."""
+
+from pathlib import Path
+
+import pytest
+
+from rzero.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["default.toml", "lag8.toml", "sync.toml"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / name)
+    assert config.train.loss == "reinforce_is"
+
+
+def test_default_toml_matches_builtin_defaults():
+    assert load_config(CONFIGS / "default.toml") == load_config(None)
+
+
+def test_sync_config_is_the_synchronous_baseline():
+    config = load_config(CONFIGS / "sync.toml")
+    assert config.rollout.mode == "sync" and config.rollout.max_lag == 0
+
+
+def test_overrides_parse_toml_values():
+    config = load_config(None, ["rollout.max_lag=8", "train.loss=tis", "env.operations=['+', '*']", "train.lr=1e-4"])
+    assert config.rollout.max_lag == 8 and config.train.loss == "tis"
+    assert config.env.operations == ["+", "*"] and config.train.lr == 1e-4
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["rollout.bogus=1"], r"rollout\.bogus: unknown key"),
+        (["nosuch.key=1"], r"nosuch: unknown key"),
+        (["train.lr=-1"], r"train\.lr: Input should be greater than 0"),
+        (["train.loss=ppo"], r"train\.loss: Input should be"),
+        (["rollout.mode=sync"], r"requires rollout\.max_lag = 0"),
+        (["model.numerics=fast"], r"model\.numerics"),
+        (["justakey"], r"expected section\.key=value"),
+    ],
+)
+def test_bad_values_are_rejected_with_names(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, override)
+
+
+def test_bad_files_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[train]\nstep = 3\n")
+    with pytest.raises(ConfigError, match=r"train\.step: unknown key"):
+        load_config(unknown)
+
+
+def test_cli_reports_config_errors_before_starting(tmp_path, capsys):
+    from rzero.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "run"), "--set", "train.lr=-1"]) == 2
+    assert "train.lr" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
