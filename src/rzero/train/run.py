@@ -195,7 +195,10 @@ def prepare_base_model(config: RunConfig, run_dir: Path, log=print) -> Path:
     return base
 
 
-def train(config: RunConfig, run_dir: Path, *, resume: bool = False, progress: bool = True, log=print) -> Path:
+def train(
+    config: RunConfig, run_dir: Path, *, resume: bool = False, progress: bool = True, env=None, log=print
+) -> Path:
+    """Run (or resume) RL training into run_dir. `env` overrides the configured environment."""
     ops.set_numerics(config.model.numerics)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if resume else None
@@ -240,13 +243,12 @@ def train(config: RunConfig, run_dir: Path, *, resume: bool = False, progress: b
 
     r = config.rollout
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
-    engine_template = copy.deepcopy(trainer.compute).eval()
-    for p in engine_template.parameters():
-        p.requires_grad_(False)
+    # Snapshot now: workers build engines in their own threads while the trainer is stepping.
+    engine_template = copy.deepcopy(trainer.compute).requires_grad_(False)
 
     def make_engine() -> Engine:
         return Engine(
-            copy.deepcopy(engine_template),
+            engine_template,  # each engine takes its own copy
             dtype=dtype,
             tokenizer=tokenizer,
             recompute_on_update=r.recompute_on_update,
@@ -256,7 +258,7 @@ def train(config: RunConfig, run_dir: Path, *, resume: bool = False, progress: b
 
     backend = LocalBackend(
         make_engine,
-        make_env(config),
+        env if env is not None else make_env(config),
         prompts_per_step=r.prompts_per_step,
         group_size=r.group_size,
         max_lag=r.max_lag,

@@ -165,7 +165,7 @@ class Trainer:
                 finite = False
                 break
             loss.backward()
-            loss_total += float(loss)
+            loss_total += float(loss.detach())
             trainer_lps.extend(x.detach() for x in lps)
         metrics: dict[str, float] = {}
         grad_norm = float("nan")
