@@ -177,12 +177,12 @@ class Trainer:
             finite = math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
+            self.scheduler.step()  # the schedule counts updates actually taken
             metrics.update(self._diagnostics(rollouts, trainer_lps))
         else:
             self.skipped_updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.compute.zero_grad(set_to_none=True)
-        self.scheduler.step()
         self._sync_compute()
         self.version += 1
         self._remember_version()
