@@ -124,6 +124,8 @@ def save_model(
         save_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
         raw = dict(getattr(model, "hf_config", None) or hf_config_dict(model))
         raw["torch_dtype"] = "bfloat16" if save_dtype == torch.bfloat16 else "float32"
+        if "dtype" in raw:  # transformers >= 4.56 writes and reads `dtype`; never leave it stale
+            raw["dtype"] = raw["torch_dtype"]
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         tensors = {n: p.detach().to(save_dtype).contiguous() for n, p in model.named_parameters()}
         shards: list[dict[str, torch.Tensor]] = [{}]

@@ -53,6 +53,7 @@ class Qwen3Config:
         if "head_dim" not in raw and "hidden_size" in raw and "num_attention_heads" in raw:
             raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
         raw.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
+        raw.setdefault("num_experts", raw.get("num_local_experts", 0))  # transformers 5 saves this name
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"config.json: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
