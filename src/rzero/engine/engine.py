@@ -14,6 +14,7 @@ stale cache, as most stacks do, at the cost of a nonzero kernel-mismatch term).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 from collections import deque
@@ -55,7 +56,10 @@ class Engine:
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
             model = load_model(model, dtype)
         else:
-            model = model.to(parse_dtype(dtype))
+            # Copy: nn.Module.to() works in place, so casting the caller's model would turn the
+            # trainer's fp32 weights into bf16, and sharing parameters would let the trainer's
+            # optimizer change the engine's weights mid-generation without a new version.
+            model = copy.deepcopy(model).to(parse_dtype(dtype))
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
@@ -65,6 +69,11 @@ class Engine:
             num_kv_blocks = kv_cache_bytes // (per_block * torch.finfo(model.dtype).bits // 8)
         self.blocks = BlockManager(num_kv_blocks, ATTN_BLOCK)
         self.kv_caches = model.new_kv_caches(num_kv_blocks)
+        # Zero would schedule nothing, ever: every step() returns [] and generate() never ends.
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs ({max_num_seqs}) must be >= 1"
+            )
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._tokenizer_eos())
@@ -295,6 +304,12 @@ class Engine:
         groups: dict = {}
         for row, seq in enumerate(seqs):
             groups.setdefault(seq.transform, []).append(row)
+        if len(groups) == 1:
+            # The usual case (one transform for the whole batch): no row gathers or scatters.
+            (transform,) = groups
+            lp = ops.transformed_logprobs(logits, transform)
+            chosen = ops.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.generator for s in seqs])
+            return zip(seqs, chosen.tolist(), lp.gather(1, chosen[:, None])[:, 0].tolist())
         for transform, rows in groups.items():
             lp = ops.transformed_logprobs(logits[rows], transform)
             greedy = [transform.temperature == 0] * len(rows)
@@ -312,7 +327,13 @@ class Engine:
             reason = "stop"
         elif params.stop and self._hit_stop_string(seq):
             reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
+        elif (
+            len(seq.output_ids) >= params.max_tokens
+            or len(seq) >= self.max_model_len
+            # The next step would need K/V for len(seq) tokens: more than the whole cache holds, so
+            # the sequence could never be scheduled again (step() would return [] forever).
+            or self.blocks.blocks_for(len(seq)) > self.blocks.num_blocks
+        ):
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)

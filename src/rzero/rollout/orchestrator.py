@@ -75,7 +75,8 @@ class LocalBackend:
         self.errors: list[BaseException] = []
         self._stop = False
         self._threads: list[threading.Thread] = []
-        self._env_pool = ThreadPoolExecutor(max_workers=max(4, prompts_per_step), thread_name_prefix="env")
+        # Enough environment threads for every group that may be in flight (slow tools overlap).
+        self._env_pool = ThreadPoolExecutor(max_workers=(max_lag + 1) * prompts_per_step, thread_name_prefix="env")
 
     # -------------------------------------------------------------- trainer side
 
