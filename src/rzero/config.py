@@ -30,14 +30,14 @@ class ModelSection(Section):
 class WarmStartSection(Section):
     """Supervised warm start of a freshly built model on the task's reference answers."""
 
-    steps: int = Field(300, ge=0)
+    steps: int = Field(200, ge=0)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
 
 
 class EnvSection(Section):
     name: Literal["arithmetic"] = "arithmetic"
-    digits: int = Field(2, ge=1, le=6)
+    digits: int = Field(1, ge=1, le=6)
     operations: list[Literal["+", "-", "*"]] = ["+"]
     rollout_delay_s: float = Field(0.0, ge=0)  # artificial per-rollout latency (a stand-in for slow tools)
 
@@ -48,7 +48,9 @@ class RolloutSection(Section):
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(8, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    # Above 1 on purpose for the default job: the warm-started model knows most sums but samples
+    # them with too much entropy; RL has to find and sharpen the right answers.
+    temperature: float = Field(1.6, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     workers: int = Field(1, ge=1)
@@ -62,9 +64,9 @@ class RolloutSection(Section):
 
 
 class TrainSection(Section):
-    steps: int = Field(60, ge=1)
+    steps: int = Field(200, ge=1)
     loss: LossName = "reinforce_is"
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(6e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)  # clips the gradient norm (never the ratios)
