@@ -50,44 +50,44 @@ class AttentionMeta:
     def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]]) -> AttentionMeta:
         if not (len(q_lens) == len(ctx_lens) == len(block_tables)):
             raise ValueError("q_lens, ctx_lens and block_tables must describe the same sequences")
-        num_seqs = len(q_lens)
-        total = sum(q_lens)
-        max_q = _round_up(max(q_lens), Q_TILE)
-        n_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros(num_seqs, n_blocks, dtype=torch.long)
-        q_index = torch.zeros(num_seqs, max_q, dtype=torch.long)
-        q_positions = torch.zeros(num_seqs, max_q, dtype=torch.long)
-        slots, out_index = [], []
-        start = 0
         for i, (n, ctx, table) in enumerate(zip(q_lens, ctx_lens, block_tables)):
             if n <= 0:
                 raise ValueError(f"sequence {i} has no query tokens")
             if len(table) * ATTN_BLOCK < ctx + n:
                 raise ValueError(f"sequence {i}: {len(table)} blocks cannot hold {ctx + n} tokens")
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-            pos = torch.arange(ctx, ctx + n)
-            q_index[i, :n] = torch.arange(start, start + n)
-            q_positions[i, :n] = pos
-            slots.append(tables[i][pos // ATTN_BLOCK] * ATTN_BLOCK + pos % ATTN_BLOCK)
-            out_index.append(torch.arange(i * max_q, i * max_q + n))
-            start += n
+        # The engine builds this every step for up to hundreds of sequences: the per-token
+        # indices are computed with a handful of whole-batch tensor ops, not a loop of small ones.
+        num_seqs = len(q_lens)
+        total = sum(q_lens)
+        max_q = _round_up(max(q_lens), Q_TILE)
+        n_blocks = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (n_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        q = torch.tensor(q_lens, dtype=torch.long)
+        ctx = torch.tensor(ctx_lens, dtype=torch.long)
+        seq = torch.repeat_interleave(torch.arange(num_seqs), q, output_size=total)  # (T,) sequence of each token
+        offset = torch.arange(total) - (q.cumsum(0) - q)[seq]  # (T,) index of each token within its sequence
+        pos = ctx[seq] + offset  # (T,) absolute position of each token
+        q_index = torch.zeros(num_seqs, max_q, dtype=torch.long)
+        q_positions = torch.zeros(num_seqs, max_q, dtype=torch.long)
+        q_index[seq, offset] = torch.arange(total)
+        q_positions[seq, offset] = pos
         from rzero import ops
 
         padded = ops.padded_rows(total)
         # Padding rows read the output of sequence 0's first query: finite, and never used.
-        out_index.append(torch.zeros(padded - total, dtype=torch.long))
+        out_index = torch.cat((seq * max_q + offset, torch.zeros(padded - total, dtype=torch.long)))
         return cls(
             num_tokens=total,
             padded_tokens=padded,
             q_lens=list(q_lens),
             ctx_lens=list(ctx_lens),
             block_tables=tables,
-            slot_mapping=torch.cat(slots),
+            slot_mapping=tables[seq, pos // ATTN_BLOCK] * ATTN_BLOCK + pos % ATTN_BLOCK,
             q_index=q_index,
             q_positions=q_positions,
-            kv_lens=torch.tensor([c + n for c, n in zip(ctx_lens, q_lens)], dtype=torch.long),
-            out_index=torch.cat(out_index),
-            num_blocks=int(tables.max()) + 1,
+            kv_lens=ctx + q,
+            out_index=out_index,
+            num_blocks=max(max(t) for t in block_tables) + 1,
         )
 
     @classmethod

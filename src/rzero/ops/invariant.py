@@ -10,18 +10,26 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
 - elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
   in the last bit, and which elements fall in the tail depends on the tensor's total size. We pad
   the flat size to a multiple of ELEMENTWISE_TILE so that no element is ever in a tail.
-- attention: keys are processed in blocks of ATTN_BLOCK positions aligned at position 0 with
-  fixed-shape matmuls (queries padded to a multiple of 4); the row max is exact in any order; the
-  per-block sums are folded left to right with cumsum (a sequential scan). Prefill, decode and
-  chunked prefill therefore run the same arithmetic for a given query.
+- attention (fp32 inside): per (sequence, KV head), the query rows (a multiple of 4) times all
+  keys (a multiple of ATTN_BLOCK) in one GEMM; each score is a length-D dot product whose bits do
+  not depend on the row or key count (fp32 GEMM: any multiple of 4 rows, any multiple of 16
+  columns). Masked keys get -inf, and the row softmax (exact max, vectorised exp, sequential sum
+  along the row) ignores the exact zeros they become. probs @ V runs in fixed blocks of
+  ATTN_BLOCK keys aligned at position 0 (fixed-shape GEMMs), folded left to right with baddbmm_;
+  blocks past a query add exact zeros. Prefill, decode and chunked prefill therefore run the same
+  arithmetic for a given query. Cache slots past a sequence's length must hold finite values.
+  Only the forward is invariant; the backward is plain softmax-attention math (gradients need to
+  be right, not batch-invariant).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from rzero.ops.attention_meta import AttentionMeta
+from rzero.ops.attention_meta import Q_TILE, AttentionMeta
 
 ROW_TILE = 16
 ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
@@ -73,36 +81,116 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(flat)[:n].reshape(gate.shape) * up
 
 
+class _AttentionPlan:
+    """Index tensors for one AttentionMeta and head layout, built once per forward pass (the meta
+    is shared by every layer) and cached on the meta object."""
+
+    def __init__(self, meta: AttentionMeta, num_heads: int, num_kv_heads: int, block: int):
+        group = num_heads // num_kv_heads
+        batch, max_q = meta.q_index.shape
+        n_blocks = meta.block_tables.shape[1]
+        # Fewest query slots per sequence that still make group * slots a multiple of Q_TILE (4):
+        # decode needs one slot, not the meta's four, and the fixed-shape matmul guarantee holds.
+        step = Q_TILE // math.gcd(group, Q_TILE)
+        slots = -(-max(meta.q_lens) // step) * step
+        self.rows = group * slots  # matmul rows per (sequence, KV head): query slot-major, then group
+        self.keys = n_blocks * block
+        self.batch_heads = batch * num_kv_heads
+        heads = torch.arange(num_heads).view(1, num_kv_heads, 1, group)
+        # Row of q.view(-1, D) for every (sequence, KV head, slot, group member).
+        q_index = meta.q_index[:, :slots].reshape(batch, 1, slots, 1)
+        self.q_rows = (q_index * num_heads + heads).reshape(-1)
+        # Row of cache.view(-1, D) for every (sequence, KV head, key position).
+        cache_slot = meta.block_tables.view(batch, 1, n_blocks, 1) * block + torch.arange(block).view(1, 1, 1, block)
+        kv_head = torch.arange(num_kv_heads).view(1, num_kv_heads, 1, 1)
+        self.kv_rows = (cache_slot * num_kv_heads + kv_head).reshape(-1)
+        # Causal mask as an additive fp32 bias (0 or -inf, broadcast over KV heads): adding is much
+        # faster than a broadcast masked_fill_, exact for the 0s, and -inf for the rest.
+        q_pos = meta.q_positions[:, :slots].view(batch, 1, slots, 1, 1).expand(batch, 1, slots, group, 1)
+        future = torch.arange(self.keys).view(1, 1, 1, -1) > q_pos.reshape(batch, 1, self.rows, 1)
+        self.bias = torch.zeros(future.shape).masked_fill_(future, float("-inf"))
+        # Row of the (B * Hkv * rows, D) output for every (token, head) of the flat batch.
+        seq, slot = meta.out_index // max_q, meta.out_index % max_q
+        head = torch.arange(num_heads)
+        out_rows = ((seq.view(-1, 1) * num_kv_heads + head // group) * slots + slot.view(-1, 1)) * group + head % group
+        self.out_rows = out_rows.reshape(-1)
+
+    @staticmethod
+    def get(meta: AttentionMeta, num_heads: int, num_kv_heads: int, block: int) -> _AttentionPlan:
+        plans = meta.__dict__.setdefault("_invariant_plans", {})
+        key = (num_heads, num_kv_heads, block)
+        if key not in plans:
+            plans[key] = _AttentionPlan(meta, num_heads, num_kv_heads, block)
+        return plans[key]
+
+
+def _attention_forward(q, k_cache, v_cache, plan: _AttentionPlan, scale: float):
+    """The invariant forward in fp32: returns (output rows, and what the backward needs)."""
+    head_dim, block = q.shape[-1], k_cache.shape[1]
+    bh, rows, keys = plan.batch_heads, plan.rows, plan.keys
+    # Gathers straight into matmul layout: one copy each, no broadcast or permute copies.
+    # Scaling q first is one exact-per-element multiply, the same for every row.
+    qb = q.reshape(-1, head_dim).index_select(0, plan.q_rows).float().mul_(scale).view(bh, rows, head_dim)
+    kb = k_cache.reshape(-1, head_dim).index_select(0, plan.kv_rows).float().view(bh, keys, head_dim)
+    vb = v_cache.reshape(-1, head_dim).index_select(0, plan.kv_rows).float().view(bh, keys, head_dim)
+    # Scores in one GEMM per (sequence, KV head): element (r, c) is a length-D dot product whose
+    # bits do not depend on the row count (a multiple of 4) or the key count (a multiple of 16).
+    scores = torch.bmm(qb, kb.transpose(1, 2))
+    scores.view(plan.bias.shape[0], -1, rows, keys).add_(plan.bias)  # (B, Hkv, rows, L)
+    # Row softmax: exact max, vectorised exp, and a sequential vector sum along the row, so the keys
+    # past a query's position (exact zeros after exp) leave its bits unchanged.
+    probs = torch.softmax(scores, dim=-1)
+    # probs @ V over the keys in fixed blocks of 16 (fixed-shape matmuls), folded left to right;
+    # blocks past a query's position add exact zeros.
+    out = torch.bmm(probs[:, :, :block], vb[:, :block])
+    for start in range(block, keys, block):
+        out.baddbmm_(probs[:, :, start : start + block], vb[:, start : start + block])
+    return out, (qb, kb, vb, probs)
+
+
+class _Attention(torch.autograd.Function):
+    """Invariant forward; plain (not batch-invariant) softmax-attention backward: only the forward
+    pass has to match the engine bit for bit, the gradients just have to be right."""
+
+    @staticmethod
+    def forward(ctx, q, k_cache, v_cache, plan, scale):
+        out, saved = _attention_forward(q, k_cache, v_cache, plan, scale)
+        ctx.plan, ctx.scale, ctx.shapes = plan, scale, (q.shape, q.dtype, k_cache.shape, k_cache.dtype)
+        ctx.save_for_backward(out, *saved)
+        return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, qb, kb, vb, probs = ctx.saved_tensors
+        plan, (q_shape, q_dtype, kv_shape, kv_dtype) = ctx.plan, ctx.shapes
+        head_dim = q_shape[-1]
+        d_out = out.new_zeros(out.numel() // head_dim, head_dim)
+        d_out = d_out.index_add_(0, plan.out_rows, grad.reshape(-1, head_dim).float()).view(out.shape)
+        # Softmax backward, in place on the fresh (B*Hkv, rows, L) buffer to spare big allocations.
+        d_scores = torch.bmm(d_out, vb.transpose(1, 2)).sub_((d_out * out).sum(-1, keepdim=True)).mul_(probs)
+        def scatter(rows: torch.Tensor, d: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+            # Back from matmul layout to the caller's rows; repeated rows (padding) accumulate.
+            g = d.new_zeros(shape.numel() // head_dim, head_dim).index_add_(0, rows, d.reshape(-1, head_dim))
+            return g.view(shape).to(dtype)
+
+        grads = [None] * 5
+        if ctx.needs_input_grad[0]:
+            grads[0] = scatter(plan.q_rows, torch.bmm(d_scores, kb).mul_(ctx.scale), q_shape, q_dtype)
+        if ctx.needs_input_grad[1]:
+            grads[1] = scatter(plan.kv_rows, torch.bmm(d_scores.transpose(1, 2), qb), kv_shape, kv_dtype)
+        if ctx.needs_input_grad[2]:
+            grads[2] = scatter(plan.kv_rows, torch.bmm(probs.transpose(1, 2), d_out), kv_shape, kv_dtype)
+        return tuple(grads)
+
+
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
 ) -> torch.Tensor:
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    batch, max_q = meta.q_index.shape
-    n_blocks = meta.block_tables.shape[1]
-    rows = group * max_q  # a multiple of 4: the fixed-shape matmul guarantee applies
-
-    # (B, Hkv, 1, G*Mq, D): the query heads sharing one KV head are stacked as matmul rows.
-    qb = q[meta.q_index].float().view(batch, max_q, num_kv_heads, group, head_dim)
-    qb = qb.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, 1, rows, head_dim)
-    kb = k_cache[meta.block_tables].float().permute(0, 3, 1, 4, 2)  # (B, Hkv, nb, D, blk)
-    vb = v_cache[meta.block_tables].float().permute(0, 3, 1, 2, 4)  # (B, Hkv, nb, blk, D)
-
-    scores = torch.matmul(qb, kb) * scale  # (B, Hkv, nb, rows, blk): one fixed-shape GEMM per block
-    key_pos = torch.arange(n_blocks * block).view(1, 1, n_blocks, 1, block)
-    q_pos = meta.q_positions.view(batch, 1, 1, max_q).expand(batch, 1, group, max_q)
-    scores = scores.masked_fill(key_pos > q_pos.reshape(batch, 1, 1, rows, 1), float("-inf"))
-
-    row_max = scores.amax(dim=(2, 4), keepdim=True)  # max is exact in any order
-    probs = torch.exp(scores - row_max)
-    # Per-block partial sums, then a left-to-right fold over blocks (cumsum is a sequential scan);
-    # blocks past a query's position contribute exact zeros, so the fold ends on the same bits.
-    denom = probs.sum(-1).cumsum(2)[:, :, -1]  # (B, Hkv, rows)
-    numer = torch.matmul(probs, vb).cumsum(2)[:, :, -1]  # (B, Hkv, rows, D)
-    out = numer / denom.unsqueeze(-1)
-    out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch * max_q, num_heads, head_dim)[meta.out_index].to(q.dtype)
+    plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1])
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        return _Attention.apply(q, k_cache, v_cache, plan, scale)
+    out, _ = _attention_forward(q, k_cache, v_cache, plan, scale)
+    return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,11 +58,24 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
 
     Per-row generators make a request's samples depend only on its seed, never on its batch.
     """
-    tokens = torch.empty(logprobs.shape[0], dtype=torch.long)
-    for row, (is_greedy, gen) in enumerate(zip(greedy, generators)):
-        if is_greedy:
-            tokens[row] = torch.argmax(logprobs[row])
-            continue
-        uniform = torch.rand(logprobs.shape[-1], generator=gen).clamp_(min=1e-20)
-        tokens[row] = torch.argmax(logprobs[row] - torch.log(-torch.log(uniform)))
+    # Only the draws and the two logs run per row (the logs stay per row so that their bits never
+    # depend on the batch: a vectorised transcendental's tail elements depend on the tensor size);
+    # clamp, negation, subtraction and argmax are exact, so they run once on all the rows.
+    # torch.argmax returns the first maximum, for a batch as for a single row.
+    tokens = torch.argmax(logprobs, dim=-1)  # greedy rows
+    sampled = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
+    if not sampled:
+        return tokens
+    noise = torch.empty(len(sampled), logprobs.shape[-1])
+    for i, row in enumerate(sampled):
+        torch.rand(logprobs.shape[-1], generator=generators[row], out=noise[i])
+    noise.clamp_(min=1e-20)
+    for i in range(len(sampled)):
+        noise[i].log_()
+    noise.neg_()
+    for i in range(len(sampled)):
+        noise[i].log_()
+    if len(sampled) == len(greedy):
+        return torch.argmax(logprobs - noise, dim=-1)
+    tokens[sampled] = torch.argmax(logprobs[sampled] - noise, dim=-1)
     return tokens
