@@ -64,7 +64,7 @@ class RolloutSection(Section):
 
 
 class TrainSection(Section):
-    steps: int = Field(200, ge=1)
+    steps: int = Field(400, ge=1)
     loss: LossName = "reinforce_is"
     lr: float = Field(6e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
