@@ -294,9 +294,16 @@ class Engine:
     def _score_prompt(self, rows: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
         """Record logprobs of prompt tokens computed in this step (SamplingParams.prompt_logprobs)."""
         logits = self.model.logits(hidden[[r for _, _, r in rows]])
-        for i, (seq, pos, _) in enumerate(rows):
-            lp = ops.transformed_logprobs(logits[i : i + 1], seq.transform)
-            seq.prompt_logprobs[pos] = lp[0, seq.token_ids[pos + 1]].item()
+        by_sequence: dict[int, list[int]] = {}
+        for i, (seq, _, _) in enumerate(rows):
+            by_sequence.setdefault(id(seq), []).append(i)
+        for idx in by_sequence.values():  # one transform per sequence: score its rows together
+            seq = rows[idx[0]][0]
+            positions = [rows[i][1] for i in idx]
+            targets = torch.tensor([seq.token_ids[p + 1] for p in positions])
+            lp = ops.transformed_logprobs(logits[idx], seq.transform).gather(1, targets[:, None])[:, 0]
+            for p, value in zip(positions, lp.tolist()):
+                seq.prompt_logprobs[p] = value
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor):
         tokens = torch.empty(len(seqs), dtype=torch.long)
