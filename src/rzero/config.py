@@ -70,8 +70,8 @@ class TrainSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)  # clips the gradient norm (never the ratios)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal["constant", "cosine"] = "cosine"
     micro_batch_tokens: int = Field(4096, ge=1)
     advantage_std_norm: bool = False
     leave_one_out: bool = False
