@@ -36,7 +36,6 @@ from rzero.rollout.orchestrator import LocalBackend
 from rzero.train.losses import LossSettings
 from rzero.train.trainer import Trainer, TrainerSettings
 
-TIMING_METRICS = ("tokens/s", "time/step", "time/wait_rollouts", "time/train")
 
 
 def make_env(config: RunConfig):
