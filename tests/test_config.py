@@ -66,3 +66,21 @@ def test_cli_reports_config_errors_before_starting(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "run"), "--set", "train.lr=-1"]) == 2
     assert "train.lr" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    import builtins
+
+    from rzero.train.run import train
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ValueError, match=r"run\.wandb = true needs the wandb package"):
+        train(load_config(None, ["run.wandb=true"]), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

@@ -199,6 +199,11 @@ def train(
 ) -> Path:
     """Run (or resume) RL training into run_dir. `env` overrides the configured environment."""
     ops.set_numerics(config.model.numerics)
+    if config.run.wandb:
+        try:
+            import wandb  # noqa: F401  (optional; checked before anything starts)
+        except ImportError:
+            raise ValueError("run.wandb = true needs the wandb package (pip install wandb)") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if not resume:
