@@ -221,12 +221,12 @@ class Trainer:
         }
         if self.settings.decompose:
             pi_v = pi.clone()
+            offsets = torch.tensor([0] + [len(r.completion_ids) for r in rollouts]).cumsum(0)
             for v in sorted(set(versions.tolist()) - {step}):
                 if v not in self.ring:
                     raise RuntimeError(f"weights of version {v} left the ring buffer (lag beyond max_lag?)")
                 chosen = [i for i, r in enumerate(rollouts) if v in r.versions]
                 scored = self.token_logprobs(self._scratch_model(v), [rollouts[i] for i in chosen])
-                offsets = torch.tensor([0] + [len(r.completion_ids) for r in rollouts]).cumsum(0)
                 for i, lp in zip(chosen, scored):
                     sl = slice(int(offsets[i]), int(offsets[i + 1]))
                     mask = versions[sl] == v
