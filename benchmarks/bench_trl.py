@@ -134,7 +134,8 @@ def run_trl(args) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from rzero.envs.arithmetic import ArithmeticEnv, Task
+    from rzero.envs.arithmetic import ArithmeticEnv
+    from rzero.envs.base import Task
 
     env = ArithmeticEnv(digits=1, seed=args.seed)
     tasks = [env.task(i) for i in range(args.prompts * (args.steps + 2))]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rzero.envs.arithmetic import Task
+from rzero.envs.base import Task
 from rzero.envs.math import MathEnv, extract_boxed
 from rzero.model.tokenizer import IM_END
 

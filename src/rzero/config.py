@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rzero.envs.math import DEFAULT_PROMPT_TEMPLATE
+
 LossName = Literal["reinforce_is", "ppo_clip", "tis", "icepop", "seq_is", "on_policy"]
 
 
@@ -35,11 +37,61 @@ class WarmStartSection(Section):
     lr: float = Field(3e-3, gt=0)
 
 
+class ToolSection(Section):
+    """Latency and faults of one tool (`[env.tools.calculator]`)."""
+
+    latency: Literal["none", "fixed", "uniform", "lognormal"] = "none"
+    latency_s: float = Field(0.0, ge=0)  # fixed: the delay; lognormal: the median
+    latency_low_s: float = Field(0.0, ge=0)  # uniform bounds
+    latency_high_s: float = Field(0.0, ge=0)
+    latency_sigma: float = Field(1.0, ge=0)  # lognormal: std of log(delay)
+    failure_rate: float = Field(0.0, ge=0, le=1)
+    timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _uniform_bounds(self) -> ToolSection:
+        if self.latency == "uniform" and self.latency_low_s > self.latency_high_s:
+            raise ValueError("latency_low_s must be <= latency_high_s")
+        return self
+
+
+# Which env keys belong to which environment (the rest apply to all).
+_ENV_KEYS = {
+    "arithmetic": {"digits", "operations"},
+    "math": {"data", "question_key", "answer_key", "answer_pattern", "prompt_template"},
+    "tool_calc": {"digits", "max_turns", "tool_fraction", "show_tools", "tools"},
+}
+
+
 class EnvSection(Section):
-    name: Literal["arithmetic"] = "arithmetic"
-    digits: int = Field(1, ge=1, le=6)
-    operations: list[Literal["+", "-", "*"]] = ["+"]
-    rollout_delay_s: float = Field(0.0, ge=0)  # artificial per-rollout latency (a stand-in for slow tools)
+    name: Literal["arithmetic", "math", "tool_calc"] = "arithmetic"
+    digits: int = Field(1, ge=1, le=6)  # arithmetic and tool_calc: digits of each operand
+    operations: list[Literal["+", "-", "*"]] = ["+"]  # arithmetic
+    # math: a JSONL or Parquet file of question/answer rows
+    data: str = ""
+    question_key: str = "question"
+    answer_key: str = "answer"
+    answer_pattern: str = ""  # a regex with one group; empty: the last \boxed{...}
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    # tool_calc
+    max_turns: int = Field(3, ge=1)
+    tool_fraction: float = Field(0.25, ge=0, le=1)  # warm-start answers that go through the tool
+    show_tools: bool = False  # put the tools' JSON schemas in a system turn (long for tiny models)
+    tools: dict[Literal["calculator", "python"], ToolSection] = {"calculator": ToolSection()}
+    rollout_delay_s: float = Field(0.0, ge=0)  # artificial latency before each reward (a stand-in for slow envs)
+
+    @model_validator(mode="after")
+    def _keys_of_this_env(self) -> EnvSection:
+        foreign = set().union(*_ENV_KEYS.values()) - _ENV_KEYS[self.name]
+        defaults = EnvSection.model_construct()
+        changed = sorted(k for k in foreign if getattr(self, k) != getattr(defaults, k))
+        if changed:
+            raise ValueError(f"{', '.join(changed)} not used by env.name = {self.name!r}")
+        if self.name == "math" and not self.data:
+            raise ValueError("env.name = 'math' needs env.data (a .jsonl or .parquet file)")
+        if self.name == "tool_calc" and not self.tools:
+            raise ValueError("env.name = 'tool_calc' needs at least one tool in env.tools")
+        return self
 
 
 class RolloutSection(Section):

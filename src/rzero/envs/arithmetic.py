@@ -8,19 +8,12 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
 
+from rzero.envs.base import Env, Task
 from rzero.model.tokenizer import IM_END
 
 
-@dataclass(frozen=True)
-class Task:
-    index: int
-    prompt: str
-    answer: str
-
-
-class ArithmeticEnv:
+class ArithmeticEnv(Env):
     def __init__(self, digits: int = 2, operations: tuple[str, ...] = ("+",), seed: int = 0):
         if not operations:
             raise ValueError("arithmetic env needs at least one operation")

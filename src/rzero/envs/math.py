@@ -4,8 +4,7 @@ Rows are question/answer pairs read from JSONL or Parquet. Task i is a pure func
 (seed, i): the rows are visited in a seeded shuffled order, reshuffled each epoch, so a resumed
 run regenerates exactly the same prompts without carrying an RNG across the checkpoint.
 
-Same duck-typed interface as ``ArithmeticEnv``: ``task(index)``, ``reference(task)``,
-``reward(task, completion)``.
+A single-turn ``Env``: ``task(index)``, ``reference(task)``, ``reward(task, completion)``.
 
 math-verify's default timeouts use ``signal.alarm``, which only works in the main thread; the
 orchestrator scores from worker threads, so every call here passes ``parsing_timeout=None`` /
@@ -21,7 +20,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from rzero.envs.arithmetic import Task
+from rzero.envs.base import Env, Task
 from rzero.model.tokenizer import IM_END
 
 DEFAULT_PROMPT_TEMPLATE = "{question}\nPut the final answer in \\boxed{{}}."
@@ -120,7 +119,7 @@ def _load_parquet(path: Path, qk: str, ak: str) -> list[tuple[str, str]]:
     ]
 
 
-class MathEnv:
+class MathEnv(Env):
     def __init__(
         self,
         path: str | Path,

@@ -12,6 +12,10 @@ dropped and counted (`rollout/dropped_stale`). `mode = "sync"` with max_lag = 0 
 baseline: P groups are sampled with version s, trained on at step s, and only then are the next
 P started.
 
+Episodes may take several turns: a worker thread owns an engine and runs model turns; the
+environment's steps (tool calls, rewards) run on an asyncio loop (rollout/episodes.py), so slow
+tools never block generation.
+
 The trainer talks to a `RolloutBackend`; `LocalBackend` runs workers as threads in this process
 (the embedded default). A Ray backend can implement the same four methods.
 """
@@ -19,16 +23,15 @@ The trainer talks to a `RolloutBackend`; `LocalBackend` runs workers as threads 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Protocol
 
 import torch
 
 from rzero.engine import Engine, SamplingParams
 from rzero.ops import SamplingTransform
+from rzero.rollout.episodes import AsyncLoop, Episode, EpisodeRunner
 from rzero.train.trainer import Rollout
 
 
@@ -71,12 +74,13 @@ class LocalBackend:
         # Groups that were in flight when the checkpoint was taken: sampled again from scratch.
         self.restart: list[int] = sorted(state.get("in_flight", []))
         self.in_flight: set[int] = set()
+        self._partial: dict[int, dict[int, Rollout]] = {}  # in-flight groups' finished samples
         self.reward_failures = state.get("reward_failures", 0)
         self.errors: list[BaseException] = []
         self._stop = False
         self._threads: list[threading.Thread] = []
-        # Enough environment threads for every group that may be in flight (slow tools overlap).
-        self._env_pool = ThreadPoolExecutor(max_workers=(max_lag + 1) * prompts_per_step, thread_name_prefix="env")
+        # Environment steps of every worker run on one event loop: slow tools wait concurrently.
+        self._loop = AsyncLoop()
 
     # -------------------------------------------------------------- trainer side
 
@@ -100,7 +104,7 @@ class LocalBackend:
                 if self.errors:
                     raise RuntimeError("a rollout worker failed") from self.errors[0]
                 for g in sorted(self.finished):
-                    if min(min(r.versions, default=step) for r in self.finished[g]) < oldest_allowed:
+                    if min(min(r.policy_versions(), default=step) for r in self.finished[g]) < oldest_allowed:
                         del self.finished[g]
                         self.dropped += 1
                         self.cond.notify_all()
@@ -115,7 +119,7 @@ class LocalBackend:
             self.cond.notify_all()
         for t in self._threads:
             t.join(timeout=30)
-        self._env_pool.shutdown(wait=True, cancel_futures=True)
+        self._loop.close()
 
     def state_dict(self) -> dict:
         with self.cond:
@@ -158,68 +162,56 @@ class LocalBackend:
 
     def _work(self) -> None:
         engine = self.make_engine()
+        runner = EpisodeRunner(engine, self.env, self._loop, self._episode_done, wake=self._wake, delay_s=self.rollout_delay_s)
         local_version = None
-        members: dict[str, tuple[int, int]] = {}
-        outputs: dict[int, dict[int, object]] = {}
         while True:
             with self.cond:
                 if self._stop:
                     return
-                if local_version != self.version:
-                    weights, version = self.weights, self.version
-                else:
-                    weights = None
+                weights, version = (self.weights, self.version) if local_version != self.version else (None, None)
                 starts = []
                 while (g := self._admissible()) is not None:
                     starts.append(g)
                     self.in_flight.add(g)
-                if weights is None and not starts and not engine.has_unfinished():
+                    self._partial[g] = {}
+                if weights is None and not starts and not runner.has_engine_work():
                     self.cond.wait(timeout=0.5)
                     continue
             if weights is not None:
                 engine.update_weights(weights, version)
                 local_version = version
             for g in starts:
-                task = self.env.task(g)
-                params = SamplingParams(**{**asdict(self.sampling), "n": self.group_size, "seed": self.seed * 7919 + g})
-                for j, rid in enumerate(engine.add_request(task.prompt, params, request_id=f"g{g}")):
-                    members[rid] = (g, j)
-                outputs[g] = {}
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                g, j = members.pop(out.request_id)
-                outputs[g][j] = engine.pop_output(out.request_id)
-                if len(outputs[g]) == self.group_size:
-                    done = outputs.pop(g)
-                    self._env_pool.submit(self._finish_group, g, [done[i] for i in range(self.group_size)])
+                params = replace(self.sampling, n=self.group_size, seed=self.seed * 7919 + g)
+                runner.add(g, self.env.task(g), params)
+            runner.step()
 
-    def _finish_group(self, g: int, outs: list) -> None:
-        """Environment side of a finished group: (slow) reward computation, then hand it over."""
-        try:
-            if self.rollout_delay_s:
-                time.sleep(self.rollout_delay_s)
-            task = self.env.task(g)
-            transform = self.sampling.transform
-            rollouts, failures = [], 0
-            for o in outs:
-                try:
-                    reward, failed = float(self.env.reward(task, o.text or "")), False
-                except Exception:
-                    reward, failed = 0.0, True
-                    failures += 1
-                rollouts.append(
-                    Rollout(g, o.prompt_token_ids, o.token_ids, o.logprobs, o.versions, reward, transform, failed)
-                )
-            with self.cond:
+    def _wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def _episode_done(self, episode: Episode) -> None:
+        """Called on the env loop: collect the group; hand it over once all its samples are in."""
+        g = episode.key
+        rollout = Rollout(
+            g,
+            episode.prompt_ids,
+            episode.token_ids,
+            episode.logprobs,
+            episode.versions,
+            episode.reward,
+            self.sampling.transform,
+            episode.failed,
+            None if all(episode.mask) else episode.mask,
+        )
+        with self.cond:
+            members = self._partial[g]
+            members[episode.sample] = rollout
+            self.reward_failures += int(episode.failed)
+            if len(members) == self.group_size:
+                del self._partial[g]
                 self.in_flight.discard(g)
-                self.finished[g] = rollouts
-                self.reward_failures += failures
-                self.cond.notify_all()
-        except BaseException as err:
-            with self.cond:
-                self.errors.append(err)
-                self.cond.notify_all()
+                self.finished[g] = [members[j] for j in range(self.group_size)]
+            self.cond.notify_all()
 
 
 def _rollout_from_dict(d: dict) -> Rollout:

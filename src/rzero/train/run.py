@@ -27,7 +27,7 @@ import torch
 from rzero import ops
 from rzero.config import RunConfig, config_to_toml, load_config
 from rzero.engine import Engine, SamplingParams
-from rzero.envs.arithmetic import ArithmeticEnv
+from rzero.envs import make_env as build_env
 from rzero.model.io import load_model, parse_dtype, save_model
 from rzero.model.presets import init_model
 from rzero.model.tokenizer import load_tokenizer
@@ -39,7 +39,7 @@ from rzero.train.trainer import Trainer, TrainerSettings
 
 
 def make_env(config: RunConfig):
-    return ArithmeticEnv(config.env.digits, tuple(config.env.operations), seed=config.run.seed)
+    return build_env(config.env, seed=config.run.seed)
 
 
 def new_run_dir() -> Path:
@@ -59,16 +59,20 @@ def warm_start(model, tokenizer, env, config: RunConfig, log=print) -> float:
     for step in range(ws.steps):
         # Tasks from a range disjoint from the RL run's (RL uses indices 0, 1, 2, ...).
         tasks = [env.task(10_000_000 + step * ws.batch_size + i) for i in range(ws.batch_size)]
-        prompts = [tokenizer.encode(t.prompt, add_special_tokens=False).ids for t in tasks]
-        targets = [tokenizer.encode(env.reference(t), add_special_tokens=False).ids for t in tasks]
-        seqs = [p + a for p, a in zip(prompts, targets)]
+        seqs, rows, labels, offset = [], [], [], 0
+        for task in tasks:
+            tokens = tokenizer.encode(task.prompt, add_special_tokens=False).ids
+            reference = env.reference(task)
+            for text, trained in [(reference, True)] if isinstance(reference, str) else reference:
+                ids = tokenizer.encode(text, add_special_tokens=False).ids
+                if trained:  # environment text (tool responses) is context, not a target
+                    rows.extend(range(offset + len(tokens) - 1, offset + len(tokens) - 1 + len(ids)))
+                    labels.extend(ids)
+                tokens += ids
+            seqs.append(tokens)
+            offset += len(tokens)
         meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
         hidden = trainer_model(torch.tensor([t for s in seqs for t in s]), meta)
-        rows, labels, offset = [], [], 0
-        for p, a in zip(prompts, targets):
-            rows.extend(range(offset + len(p) - 1, offset + len(p) - 1 + len(a)))
-            labels.extend(a)
-            offset += len(p) + len(a)
         logp = ops.log_softmax(trainer_model.logits(hidden[rows]))
         loss = -logp.gather(1, torch.tensor(labels)[:, None]).mean()
         opt.zero_grad(set_to_none=True)
@@ -285,6 +289,7 @@ def train(
             m = {"step": step, "version": trainer.version}
             m["reward/mean"] = float(rewards.mean())
             m["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+            m["rollout/turns_mean"] = sum(x.num_turns() for g in groups for x in g) / rewards.numel()
             t1 = time.perf_counter()
             m.update(trainer.train_step(groups))
             backend.publish(trainer.engine_state_dict(), trainer.version)

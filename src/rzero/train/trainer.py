@@ -32,6 +32,27 @@ class Rollout:
     reward: float
     transform: SamplingTransform = field(default_factory=SamplingTransform)
     reward_failed: bool = False  # the reward function raised; reward was set to 0
+    # 1 where the model sampled the token, 0 where the environment wrote it (a tool response):
+    # environment tokens are context for the trainer, never actions. None: all sampled.
+    mask: list[int] | None = None
+
+    def policy_positions(self) -> list[int]:
+        """Indices (into completion_ids) of the tokens the model sampled."""
+        if self.mask is None:
+            return list(range(len(self.completion_ids)))
+        return [i for i, m in enumerate(self.mask) if m]
+
+    def policy_logprobs(self) -> list[float]:
+        return [self.logprobs[i] for i in self.policy_positions()]
+
+    def policy_versions(self) -> list[int]:
+        return [self.versions[i] for i in self.policy_positions()]
+
+    def num_turns(self) -> int:
+        """Model turns in the episode (runs of sampled tokens)."""
+        if self.mask is None:
+            return 1 if self.completion_ids else 0
+        return sum(1 for i, m in enumerate(self.mask) if m and (i == 0 or not self.mask[i - 1]))
 
 
 @dataclass
@@ -101,29 +122,31 @@ class Trainer:
     # ----------------------------------------------------------------- scoring
 
     def token_logprobs(self, model: Qwen3ForCausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
-        """log π(a_t) of every completion token under `model`, one tensor per rollout."""
+        """log π(a_t) of every sampled completion token under `model`, one tensor per rollout
+        (environment tokens are in the context but not scored)."""
         seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
         meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
         hidden = model(torch.tensor([t for s in seqs for t in s], dtype=torch.long), meta)
+        positions = [r.policy_positions() for r in rollouts]
         rows, targets, offset = [], [], 0
-        for r, s in zip(rollouts, seqs):
+        for r, s, pos in zip(rollouts, seqs, positions):
             start = offset + len(r.prompt_ids) - 1
-            rows.extend(range(start, start + len(r.completion_ids)))
-            targets.extend(r.completion_ids)
+            rows.extend(start + i for i in pos)
+            targets.extend(r.completion_ids[i] for i in pos)
             offset += len(s)
         logits = model.logits(hidden[rows])
         target = torch.tensor(targets, dtype=torch.long)
         by_transform: dict[SamplingTransform, list[int]] = {}
         cursor = 0
-        for r in rollouts:
-            by_transform.setdefault(r.transform, []).extend(range(cursor, cursor + len(r.completion_ids)))
-            cursor += len(r.completion_ids)
+        for r, pos in zip(rollouts, positions):
+            by_transform.setdefault(r.transform, []).extend(range(cursor, cursor + len(pos)))
+            cursor += len(pos)
         out = torch.empty(len(rows), dtype=torch.float32)
         for transform, idx in by_transform.items():
             idx_t = torch.tensor(idx, dtype=torch.long)
             lp = ops.transformed_logprobs(logits[idx_t], transform)
             out[idx_t] = lp.gather(1, target[idx_t, None])[:, 0]
-        return list(out.split([len(r.completion_ids) for r in rollouts]))
+        return list(out.split([len(pos) for pos in positions]))
 
     def _micro_batches(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
         batches, current, tokens = [], [], 0
@@ -149,7 +172,7 @@ class Trainer:
         for g in groups:
             adv = group_advantages(torch.tensor([r.reward for r in g]), s.leave_one_out, s.advantage_std_norm)
             advantages.update({id(r): float(a) for r, a in zip(g, adv)})
-        num_tokens = sum(len(r.completion_ids) for r in rollouts)
+        num_tokens = sum(len(r.policy_positions()) for r in rollouts)
         normalizer = float(max(num_tokens, 1))
         self.optimizer.zero_grad(set_to_none=True)
         self.compute.zero_grad(set_to_none=True)
@@ -157,9 +180,9 @@ class Trainer:
         for mb in self._micro_batches(rollouts):
             lps = self.token_logprobs(self.compute, mb)
             lp = torch.cat(lps)
-            mu = torch.tensor([x for r in mb for x in r.logprobs], dtype=torch.float32)
-            adv = torch.tensor([advantages[id(r)] for r in mb for _ in r.completion_ids], dtype=torch.float32)
-            seq_index = torch.tensor([i for i, r in enumerate(mb) for _ in r.completion_ids], dtype=torch.long)
+            mu = torch.tensor([x for r in mb for x in r.policy_logprobs()], dtype=torch.float32)
+            adv = torch.tensor([advantages[id(r)] for r, x in zip(mb, lps) for _ in range(len(x))], dtype=torch.float32)
+            seq_index = torch.tensor([i for i, x in enumerate(lps) for _ in range(len(x))], dtype=torch.long)
             loss, _ = policy_loss(lp, mu, adv, seq_index, normalizer, s.loss)
             if not torch.isfinite(loss):
                 finite = False
@@ -203,8 +226,8 @@ class Trainer:
     def _diagnostics(self, rollouts: list[Rollout], trainer_lps: list[torch.Tensor]) -> dict[str, float]:
         step = self.version
         pi = torch.cat(trainer_lps)
-        mu = torch.tensor([x for r in rollouts for x in r.logprobs], dtype=torch.float32)
-        versions = torch.tensor([v for r in rollouts for v in r.versions], dtype=torch.long)
+        mu = torch.tensor([x for r in rollouts for x in r.policy_logprobs()], dtype=torch.float32)
+        versions = torch.tensor([v for r in rollouts for v in r.policy_versions()], dtype=torch.long)
         log_w = pi - mu
         w = torch.exp(log_w)
         median = float(w.median())
@@ -221,11 +244,11 @@ class Trainer:
         }
         if self.settings.decompose:
             pi_v = pi.clone()
-            offsets = torch.tensor([0] + [len(r.completion_ids) for r in rollouts]).cumsum(0)
+            offsets = torch.tensor([0] + [len(x) for x in trainer_lps]).cumsum(0)
             for v in sorted(set(versions.tolist()) - {step}):
                 if v not in self.ring:
                     raise RuntimeError(f"weights of version {v} left the ring buffer (lag beyond max_lag?)")
-                chosen = [i for i, r in enumerate(rollouts) if v in r.versions]
+                chosen = [i for i, r in enumerate(rollouts) if v in r.policy_versions()]
                 scored = self.token_logprobs(self._scratch_model(v), [rollouts[i] for i in chosen])
                 for i, lp in zip(chosen, scored):
                     sl = slice(int(offsets[i]), int(offsets[i + 1]))
