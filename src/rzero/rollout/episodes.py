@@ -159,7 +159,8 @@ class EpisodeRunner:
 
     async def _env_step(self, episode: Episode, params: SamplingParams, finish_reason: str | None) -> None:
         response = None
-        if episode.turns < self.max_turns and finish_reason == "stop":
+        # A turn cut at max_tokens still goes to the env: it decides what an unfinished turn means.
+        if episode.turns < self.max_turns and finish_reason != "abort":
             try:
                 response = await self.env.respond(episode.task, episode.text)
             except Exception as err:
