@@ -33,6 +33,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from rzero.eval.run import main as eval_main
+
+    return eval_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rzero", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write PNG plots and a Markdown summary of a run")
     p.add_argument("run_dir")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("eval", help="pass@1 and pass@k of a model on a suite of benchmarks (docs/eval.md)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--suite", required=True, help="TOML suite file listing the benchmarks")
+    p.add_argument("--out", help="directory for results.json, samples.jsonl and results.md")
+    p.add_argument("--k", type=int, help="the k of pass@k (overrides the suite)")
+    p.add_argument("--samples", type=int, help="samples per problem, >= k (overrides the suite; default k)")
+    p.add_argument("--temperature", type=float, help="sampling temperature, 0 = greedy (overrides the suite)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (overrides the suite)")
+    p.add_argument("--max-tokens", type=int, help="most tokens generated per model turn (overrides the suite)")
+    p.add_argument("--limit", type=int, help="at most this many problems per benchmark (a quick look)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--numerics", default="invariant", choices=["invariant", "standard"])
+    p.add_argument("--seed", type=int, default=0, help="seed from which every problem's sampling seed is derived")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
+    p.set_defaults(func=_eval)
     return parser
 
 
