@@ -96,6 +96,7 @@ class EpisodeRunner:
         self._ready: deque[tuple[Episode, SamplingParams]] = deque()  # episodes due for their next turn
         self._lock = threading.Lock()
         self._in_env = 0
+        self._logged: set[str] = set()  # env failures already logged with a traceback
 
     # ------------------------------------------------------------ engine thread
 
@@ -196,6 +197,8 @@ class EpisodeRunner:
         self.on_finished(episode)
 
     def _fail(self, episode: Episode, where: str, err: Exception) -> None:
-        if not episode.failed:
-            log.warning("%s raised on task %s: %r", where, episode.task.index, err, exc_info=err)
+        # One traceback per kind of failure: a broken env must not flood the log.
+        if where not in self._logged:
+            self._logged.add(where)
+            log.warning("%s raised on task %s (later failures are only counted)", where, episode.task.index, exc_info=err)
         episode.failed, episode.reward, episode.error = True, 0.0, f"{where}: {type(err).__name__}: {err}"
