@@ -11,6 +11,7 @@ standard-numerics negative control shows the comparison can fail.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 
@@ -738,3 +739,27 @@ def test_bad_input_raises_and_other_requests_go_on(model_dir):
     assert engine.add_request(list(range(3, 3 + 63)), SamplingParams(max_tokens=5), request_id="fits") == ["fits"]
     run_to_completion(engine)
     assert len(engine.pop_output("fits").token_ids) == 1  # the context allows one more token
+
+
+def test_top_logprobs_change_nothing_else(model_dir):
+    """Asking for top_logprobs leaves every token and logprob as it was; the alternatives are the most
+    likely tokens of the distribution sampled from, most likely first, without truncated-away ones."""
+    requests = [  # two transforms in one batch: the per-group sampling path
+        ([5, 6, 7], SamplingParams(max_tokens=12, seed=4, top_k=3), "top-k"),
+        (list(range(10, 40)), SamplingParams(max_tokens=12, temperature=0), "greedy"),
+    ]
+    plain, _ = run_to_completion(make_engine(model_dir), [(0, p, params, rid) for p, params, rid in requests])
+    with_top, streamed = run_to_completion(
+        make_engine(model_dir),
+        [(0, p, dataclasses.replace(params, top_logprobs=5), rid) for p, params, rid in requests],
+    )
+    for rid in ("top-k", "greedy"):
+        assert plain[rid].top_logprobs is None
+        out = with_top[rid]
+        assert (out.token_ids, out.logprobs) == (plain[rid].token_ids, plain[rid].logprobs)
+        assert out.top_logprobs == [s.top_logprobs for s in streamed[rid]]
+        for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+            values = [v for _, v in top]
+            assert len(top) == (3 if rid == "top-k" else 5) and values == sorted(values, reverse=True)
+            assert (token, logprob) in top
+    assert all(top[0][0] == token for token, top in zip(with_top["greedy"].token_ids, with_top["greedy"].top_logprobs))

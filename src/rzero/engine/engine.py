@@ -282,7 +282,7 @@ class Engine:
             if not samplers:
                 return []
             logits = self.model.logits(hidden[logit_rows])
-            return [self._append(seq, token, logprob) for seq, token, logprob in self._sample(samplers, logits)]
+            return [self._append(seq, *sampled) for seq, *sampled in self._sample(samplers, logits)]
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         for i in range(len(seq.block_hashes), seq.num_computed // ATTN_BLOCK):
@@ -316,18 +316,25 @@ class Engine:
             (transform,) = groups
             lp = ops.transformed_logprobs(logits, transform)
             chosen = ops.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.generator for s in seqs])
-            return zip(seqs, chosen.tolist(), lp.gather(1, chosen[:, None])[:, 0].tolist())
+            return zip(seqs, chosen.tolist(), lp.gather(1, chosen[:, None])[:, 0].tolist(), _top_logprobs(seqs, lp))
+        top: list[list[tuple[int, float]] | None] = [None] * len(seqs)
         for transform, rows in groups.items():
             lp = ops.transformed_logprobs(logits[rows], transform)
             greedy = [transform.temperature == 0] * len(rows)
             chosen = ops.sample_tokens(lp, greedy, [seqs[r].generator for r in rows])
             tokens[rows] = chosen
             logprobs[rows] = lp.gather(1, chosen[:, None])[:, 0]
-        return zip(seqs, tokens.tolist(), logprobs.tolist())
+            for r, alternatives in zip(rows, _top_logprobs([seqs[r] for r in rows], lp)):
+                top[r] = alternatives
+        return zip(seqs, tokens.tolist(), logprobs.tolist(), top)
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> StepOutput:
+    def _append(
+        self, seq: Sequence, token: int, logprob: float, top_logprobs: list[tuple[int, float]] | None
+    ) -> StepOutput:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
+        if seq.top_logprobs is not None:
+            seq.top_logprobs.append(top_logprobs)
         seq.versions.append(self.version)
         params, reason = seq.params, None
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
@@ -344,7 +351,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
-        return StepOutput(seq.request_id, token, logprob, self.version, reason is not None, reason)
+        return StepOutput(seq.request_id, token, logprob, self.version, reason is not None, reason, top_logprobs)
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
@@ -377,3 +384,21 @@ class Engine:
             return []
         ids = [self.tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")]
         return [i for i in ids if i is not None]
+
+
+def _top_logprobs(seqs: list[Sequence], logprobs: torch.Tensor) -> list[list[tuple[int, float]] | None]:
+    """Each row's `params.top_logprobs` most likely tokens (None for rows that ask for none).
+
+    They are read off the sampled distribution's logprobs, so they change nothing else. A stable sort
+    of the row alone gives ties to the lower id, whatever the batch; tokens the sampling transform
+    truncated away (logprob -inf) are not among the alternatives.
+    """
+    top: list[list[tuple[int, float]] | None] = []
+    for row, seq in enumerate(seqs):
+        k = seq.params.top_logprobs
+        if not k:
+            top.append(None)
+            continue
+        values, ids = torch.sort(logprobs[row], descending=True, stable=True)
+        top.append([(i, v) for i, v in zip(ids[:k].tolist(), values[:k].tolist()) if v > float("-inf")])
+    return top

@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None  # None: derived from the engine seed and the request number
     n: int = 1  # samples of the same prompt; they share the prompt's KV cache blocks
     prompt_logprobs: bool = False  # also return the logprob of each prompt token it computes
+    top_logprobs: int = 0  # also return the k most likely tokens of each sampled distribution
 
     def __post_init__(self) -> None:
         self.transform  # validates temperature, top_p, top_k
@@ -29,6 +30,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -55,6 +58,8 @@ class StepOutput:
     version: int  # weight version that sampled the token
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
+    # (token id, logprob) of the SamplingParams.top_logprobs most likely tokens, most likely first
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -68,6 +73,7 @@ class RequestOutput:
     text: str | None = None
     # prompt_logprobs[i] is the logprob of prompt token i + 1; None where it came from the prefix cache
     prompt_logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, with top_logprobs > 0
 
 
 class Sequence:
@@ -92,6 +98,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
         self.versions: list[int] = []
         self.finish_reason: str | None = None
         self.text: str | None = None
@@ -116,4 +123,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             text=self.text,
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
         )
