@@ -39,6 +39,12 @@ def _eval(args: argparse.Namespace) -> int:
     return eval_main(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from rzero.serve.app import main as serve_main
+
+    return serve_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rzero", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed from which every problem's sampling seed is derived")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/serve.md)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--numerics", default="invariant", choices=["invariant", "standard"])
+    p.add_argument("--served-model-name", help="model name clients ask for (default: the directory's name)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed, from which requests without a seed get one")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_serve)
     return parser
 
 

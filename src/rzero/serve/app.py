@@ -1,0 +1,112 @@
+"""`rzero serve`: the FastAPI app over one engine, its error answers, and the command's entry point."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from rzero import ops
+from rzero.engine import Engine
+from rzero.serve.chat import create_chat_completion
+from rzero.serve.chat_template import ChatTemplate
+from rzero.serve.completions import create_completion
+from rzero.serve.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from rzero.serve.serving import APIError, Serving
+
+
+def build_app(engine: Engine, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The app; its lifespan starts and stops the thread that steps the engine."""
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    serving = Serving(engine, model_name, chat_template, system_fingerprint=f"rzero-{ops.get_numerics()}-{dtype}")
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        serving.async_engine.start()
+        try:
+            yield
+        finally:
+            serving.async_engine.stop()
+
+    app = FastAPI(title="rzero", lifespan=lifespan)
+    app.state.serving = serving
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len)])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={400: {"model": ErrorResponse}})
+    async def chat_completions(request: ChatCompletionRequest, http: Request) -> Response | ChatCompletion:
+        return await create_chat_completion(serving, request, http)
+
+    @app.post("/v1/completions", response_model=Completion, responses={400: {"model": ErrorResponse}})
+    async def completions(request: CompletionRequest, http: Request) -> Response | Completion:
+        return await create_completion(serving, request, http)
+
+    _answer_errors_as_openai_does(app)
+    return app
+
+
+def _answer_errors_as_openai_does(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return _error(error.status, error.message, error.param, error.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+        errors = error.errors()
+        if errors[0]["type"] == "json_invalid":
+            return _error(400, f"The body is not valid JSON: {errors[0]['ctx']['error']}", code="json_invalid")
+        # A value matching no member of a union gets one error per member: say them all.
+        places = [".".join(str(part) for part in e["loc"] if part != "body") for e in errors]
+        message = "; ".join(f"{place}: {e['msg']}" if place else e["msg"] for place, e in zip(places, errors))
+        return _error(400, message, places[0] or None, errors[0]["type"])
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return _error(error.status_code, str(error.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {error!r}", kind="internal_error")
+
+
+def _error(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    ops.set_numerics(args.numerics)
+    engine = Engine(
+        args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
+    )
+    name = args.served_model_name or Path(args.model).resolve().name
+    app = build_app(engine, name, ChatTemplate.from_model_dir(args.model))
+    print(f"serving {name} ({args.numerics} numerics, {args.dtype}) at http://{args.host}:{args.port}/v1")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
