@@ -1,71 +1,73 @@
-"""Sync vs async wall time for the same number of trained samples, with slow environment steps.
+"""Async vs sync wall time for the same work on a slow-tool workload.
 
-Until the tool-calling workload exists, slowness is an artificial per-rollout delay
-(`env.rollout_delay_s`, slept in the environment thread after a group finishes generating).
-Both modes train the same number of steps on the same groups-per-step; runs are interleaved and
+Both modes start from the same warm-started model and train the same number of steps with the
+same prompts and samples per step; only `rollout.mode` / `rollout.max_lag` differ (sync: max_lag
+0, every step waits for its own rollouts and their slowest tool call). Runs are interleaved and
 the ratio is printed from medians.
 
-    python benchmarks/bench_async.py [--delay 0.5] [--steps 12] [--max-lag 4] [--reps 2]
+    python benchmarks/bench_async.py [--config configs/tool_calc_lag64.toml] [--steps 40] [--reps 1]
+                                     [--set KEY=VALUE ...]
+
+The default config is tool_calc with log-normal calculator latency (median 1 s) at max_lag 64.
+An artificial per-rollout delay on the arithmetic task works too:
+`--config configs/default.toml --set env.rollout_delay_s=0.5 --set rollout.max_lag=4`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from rzero.config import load_config
-from rzero.model.presets import init_model
-from rzero.train.run import train
+from rzero.train.run import prepare_base_model, train
 
 
-def run_once(model_dir: Path, out: Path, mode: str, max_lag: int, args) -> float:
-    config = load_config(
-        None,
-        [
-            f'model.path="{model_dir}"',
-            "warm_start.steps=0",
-            f"rollout.mode={mode}",
-            f"rollout.max_lag={max_lag}",
-            f"rollout.prompts_per_step={args.prompts}",
-            f"rollout.group_size={args.group}",
-            "rollout.max_tokens=8",
-            f"env.rollout_delay_s={args.delay}",
-            f"train.steps={args.steps}",
-            "run.tensorboard=false",
-            f"run.checkpoint_every={args.steps}",
-        ],
-    )
+def run_once(base: Path, out: Path, mode: str, args) -> tuple[float, list[dict]]:
+    overrides = [*args.set, f'model.path="{base}"', "warm_start.steps=0", f"train.steps={args.steps}",
+                 "run.tensorboard=false", f"run.checkpoint_every={args.steps}", f"rollout.mode={mode}"]
+    if mode == "sync":
+        overrides.append("rollout.max_lag=0")
+    config = load_config(args.config, overrides)
     start = time.perf_counter()
     train(config, out, progress=False, log=lambda *a: None)
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    return elapsed, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--delay", type=float, default=0.5, help="seconds of environment latency per rollout group")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--max-lag", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--config", default="configs/tool_calc_lag64.toml")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both modes")
     args = parser.parse_args()
+    config = load_config(args.config, args.set)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model_dir = init_model("tiny-dense", tmp / "model")
+        base = prepare_base_model(config, tmp / "base", log=lambda *a: None)  # warm start once, shared
         times: dict[str, list[float]] = {"sync": [], "async": []}
+        last: dict[str, list[dict]] = {}
         for rep in range(args.reps):  # interleaved: the machine is noisy
-            times["sync"].append(run_once(model_dir, tmp / f"sync{rep}", "sync", 0, args))
-            times["async"].append(run_once(model_dir, tmp / f"async{rep}", "async", args.max_lag, args))
-    sync, asyn = statistics.median(times["sync"]), statistics.median(times["async"])
-    samples = args.steps * args.prompts * args.group
-    print(f"same work: {args.steps} steps x {args.prompts} prompts x {args.group} samples = {samples} trained samples")
-    print(f"per-rollout-group delay {args.delay}s, async max_lag {args.max_lag}")
-    print(f"sync  wall time: {sync:7.2f} s   (runs: {', '.join(f'{t:.2f}' for t in times['sync'])})")
-    print(f"async wall time: {asyn:7.2f} s   (runs: {', '.join(f'{t:.2f}' for t in times['async'])})")
-    print(f"async speed-up (sync / async): {sync / asyn:.2f}x   (target >= 3x)")
+            for mode in ("sync", "async"):
+                elapsed, last[mode] = run_once(base, tmp / f"{mode}{rep}", mode, args)
+                times[mode].append(elapsed)
+    r = config.rollout
+    print(f"config {args.config} {' '.join(args.set)}")
+    print(f"same work: {args.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples "
+          f"= {args.steps * r.prompts_per_step * r.group_size} trained episodes per mode")
+    for mode in ("sync", "async"):
+        rows = last[mode]
+        print(f"{mode:5s} wall time: {statistics.median(times[mode]):7.1f} s   "
+              f"(runs: {', '.join(f'{t:.1f}' for t in times[mode])}; reward first/last 5 steps "
+              f"{statistics.mean(m['reward/mean'] for m in rows[:5]):.3f} -> "
+              f"{statistics.mean(m['reward/mean'] for m in rows[-5:]):.3f}; "
+              f"lag mean {statistics.mean(m['lag/mean'] for m in rows):.1f}, max {max(m['lag/max'] for m in rows):.0f})")
+    ratio = statistics.median(times["sync"]) / statistics.median(times["async"])
+    print(f"async speed-up (sync / async wall time): {ratio:.2f}x   (target >= 3x)")
 
 
 if __name__ == "__main__":

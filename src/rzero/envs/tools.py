@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from rzero.model.tokenizer import IM_END, IM_START, TOOL_CALL_END, TOOL_CALL_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
-_TOOL_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+TOOL_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -95,28 +95,28 @@ class ToolCallError(ValueError):
     """A malformed call; its message is what the model reads."""
 
 
+def parse_tool_call(body: str) -> ToolCall | ToolCallError:
+    """One call from the JSON between `<tool_call>` and `</tool_call>`, or why it is malformed."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolCallError(f"invalid JSON in tool call ({e.msg} at char {e.pos})")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return ToolCallError('a tool call must be an object {"name": ..., "arguments": {...}}')
+    arguments = obj.get("arguments", {})
+    if isinstance(arguments, str):  # some models emit the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCallError(f"tool call {obj['name']!r}: arguments must be a JSON object")
+    return ToolCall(obj["name"], arguments)
+
+
 def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
     """Every `<tool_call>` block in `text`, parsed, or the reason it could not be."""
-    calls: list[ToolCall | ToolCallError] = []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(block)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCallError(f"invalid JSON in tool call ({e.msg} at char {e.pos})"))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            calls.append(ToolCallError('a tool call must be an object {"name": ..., "arguments": {...}}'))
-            continue
-        arguments = obj.get("arguments", {})
-        if isinstance(arguments, str):  # some models emit the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(arguments, dict):
-            calls.append(ToolCallError(f"tool call {obj['name']!r}: arguments must be a JSON object"))
-            continue
-        calls.append(ToolCall(obj["name"], arguments))
+    calls = [parse_tool_call(block) for block in TOOL_CALL_BLOCK.findall(text)]
     if text.count(TOOL_CALL_START) > len(calls):
         calls.append(ToolCallError(f"unterminated tool call: {TOOL_CALL_START} without {TOOL_CALL_END}"))
     return calls

@@ -95,7 +95,6 @@ class EpisodeRunner:
         self._live: dict[str, tuple[Episode, SamplingParams]] = {}
         self._ready: deque[tuple[Episode, SamplingParams]] = deque()  # episodes due for their next turn
         self._lock = threading.Lock()
-        self._in_env = 0
         self._logged: set[str] = set()  # env failures already logged with a traceback
 
     # ------------------------------------------------------------ engine thread
@@ -111,10 +110,6 @@ class EpisodeRunner:
     def has_engine_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self._ready)
 
-    def in_env(self) -> int:
-        """Episodes waiting on their environment."""
-        return self._in_env
-
     def step(self) -> None:
         """Queue ready continuations, run one engine step, hand finished turns to the env."""
         with self._lock:
@@ -129,8 +124,6 @@ class EpisodeRunner:
                 episode, params = self._live.pop(out.request_id)
                 result = self.engine.pop_output(out.request_id)
                 self._record_turn(episode, result)
-                with self._lock:
-                    self._in_env += 1
                 self.loop.submit(self._env_step(episode, params, result.finish_reason))
 
     def _continue(self, episode: Episode, params: SamplingParams) -> None:
@@ -141,8 +134,6 @@ class EpisodeRunner:
             self.engine.add_request(episode.prompt_ids + episode.token_ids, replace(params, seed=seed), request_id=rid)
         except ValueError as err:  # the conversation outgrew the context: the episode ends here
             episode.finish_reason, episode.error = "context", str(err)
-            with self._lock:
-                self._in_env += 1
             self.loop.submit(self._score(episode))
             return
         self._live[rid] = (episode, params)
@@ -178,7 +169,6 @@ class EpisodeRunner:
         episode.text += response
         with self._lock:
             self._ready.append((episode, params))
-            self._in_env -= 1
         self.wake()
 
     async def _score(self, episode: Episode) -> None:
@@ -192,8 +182,6 @@ class EpisodeRunner:
                     episode.reward = float(await asyncio.to_thread(self.env.reward, episode.task, episode.text))
         except Exception as err:
             self._fail(episode, "env.reward", err)
-        with self._lock:
-            self._in_env -= 1
         self.on_finished(episode)
 
     def _fail(self, episode: Episode, where: str, err: Exception) -> None:

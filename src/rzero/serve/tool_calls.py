@@ -13,11 +13,10 @@ whole text stays plain content, as the model wrote it.
 from __future__ import annotations
 
 import json
-import re
 from typing import NamedTuple
 
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+from rzero.envs.tools import TOOL_CALL_BLOCK, ToolCall, parse_tool_call
+from rzero.model.tokenizer import TOOL_CALL_START
 
 
 class ParsedToolCall(NamedTuple):
@@ -31,7 +30,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     if start < 0:
         return text, []
     calls, end = [], start
-    for block in _CALL_BLOCK.finditer(text, start):
+    for block in TOOL_CALL_BLOCK.finditer(text, start):
         call = _parse_call(block.group(1))
         if call is None or text[end : block.start()].strip():
             return text, []
@@ -43,13 +42,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
 
 
 def _parse_call(body: str) -> ParsedToolCall | None:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
+    call = parse_tool_call(body)
+    if not isinstance(call, ToolCall):
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+    return ParsedToolCall(call.name, json.dumps(call.arguments, ensure_ascii=False))
