@@ -233,3 +233,12 @@ def test_env_config_errors_name_the_problem(overrides, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_python_tool_runs_code_in_the_sandbox():
+    from rzero.envs.tools import python_tool
+
+    box = ToolBox([python_tool(timeout_s=20)])
+    assert run(box.call(ToolCall("python", {"code": "print(6 * 7)"}), random.Random(0))) == "42\n"
+    looping = run(box.call(ToolCall("python", {"code": "while True: pass"}), random.Random(0)))
+    assert looping.startswith("error: ") and "time" in looping
