@@ -196,6 +196,12 @@ class ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.pending)
 
+    def num_unfinished(self) -> int:
+        return len(self.pending)
+
+    def validate_prompt(self, prompt):
+        return self.tokenizer.encode(prompt).ids
+
     def step(self):
         batch, self.pending = self.pending[: self.max_num_seqs], self.pending[self.max_num_seqs :]
         return [SimpleNamespace(request_id=rid, finished=True) for rid in batch]

@@ -96,20 +96,7 @@ class Engine:
         Bad input raises ValueError here, before anything is queued; other requests go on.
         """
         params = params or SamplingParams()
-        tokens = self._tokenize(prompt)
-        if not tokens:
-            raise ValueError("empty prompt: a request needs at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-        if len(tokens) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(tokens)} tokens does not fit the context: max_model_len is {self.max_model_len} "
-                "and at least one token must be generated"
-            )
-        if self.blocks.blocks_for(len(tokens) + 1) > self.blocks.num_blocks:
-            raise ValueError(f"prompt of {len(tokens)} tokens needs more KV-cache blocks than the engine has")
+        tokens = self.validate_prompt(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
         with self._lock:
@@ -130,6 +117,24 @@ class Engine:
                 self.waiting.append(seq)
         return ids
 
+    def validate_prompt(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids; ValueError if it cannot be served (empty, unknown ids, too long)."""
+        tokens = self._tokenize(prompt)
+        if not tokens:
+            raise ValueError("empty prompt: a request needs at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        if len(tokens) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens does not fit the context: max_model_len is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        if self.blocks.blocks_for(len(tokens) + 1) > self.blocks.num_blocks:
+            raise ValueError(f"prompt of {len(tokens)} tokens needs more KV-cache blocks than the engine has")
+        return tokens
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             seq = self.sequences.get(request_id)
@@ -141,6 +146,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        """Sequences queued or running (each of a request's n samples counts)."""
+        return len(self.waiting) + len(self.running)
 
     def get_output(self, request_id: str) -> RequestOutput:
         return self.sequences[request_id].output()

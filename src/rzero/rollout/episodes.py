@@ -6,6 +6,10 @@ an `AsyncLoop` thread, so any number of slow tool calls wait concurrently while 
 generating other rollouts. A response comes back as a continuation: a new engine request with
 the whole token list so far, which hits the prefix cache, so only the new tokens are computed.
 
+New tasks wait in the runner's backlog and enter the engine only while it has room for them
+(max_num_seqs), so a continuation never queues behind thousands of fresh prompts: an episode's
+later turns are sampled right after its tool answers, with nearly the weights of its first turn.
+
 Every token keeps its behaviour logprob and weight version; environment tokens are marked with
 mask 0 (they are context for the trainer, not actions).
 """
@@ -94,13 +98,19 @@ class EpisodeRunner:
         # engine request id -> (episode, the task's sampling params with n = 1)
         self._live: dict[str, tuple[Episode, SamplingParams]] = {}
         self._ready: deque[tuple[Episode, SamplingParams]] = deque()  # episodes due for their next turn
+        self._backlog: deque[tuple[Any, Task, SamplingParams]] = deque()  # tasks not yet in the engine
         self._lock = threading.Lock()
         self._logged: set[str] = set()  # env failures already logged with a traceback
 
     # ------------------------------------------------------------ engine thread
 
     def add(self, key: Any, task: Task, params: SamplingParams) -> None:
-        """Start params.n episodes of `task`; their first turn shares the prompt's KV blocks."""
+        """Start params.n episodes of `task` (their first turn shares the prompt's KV blocks).
+        Bad input (a prompt too long for the context) raises ValueError here."""
+        self.engine.validate_prompt(task.prompt)
+        self._backlog.append((key, task, params))
+
+    def _start(self, key: Any, task: Task, params: SamplingParams) -> None:
         ids = self.engine.add_request(task.prompt, params, request_id=f"ep{key}")
         prompt_ids = self.engine.sequences[ids[0]].token_ids[:]
         single = replace(params, n=1)
@@ -108,7 +118,7 @@ class EpisodeRunner:
             self._live[rid] = (Episode(key, j, task, prompt_ids), single)
 
     def has_engine_work(self) -> bool:
-        return self.engine.has_unfinished() or bool(self._ready)
+        return self.engine.has_unfinished() or bool(self._ready) or bool(self._backlog)
 
     def step(self) -> None:
         """Queue ready continuations, run one engine step, hand finished turns to the env."""
@@ -117,6 +127,8 @@ class EpisodeRunner:
             self._ready.clear()
         for episode, params in ready:
             self._continue(episode, params)
+        while self._backlog and self.engine.num_unfinished() < self.engine.max_num_seqs:
+            self._start(*self._backlog.popleft())
         if not self.engine.has_unfinished():
             return
         for out in self.engine.step():
