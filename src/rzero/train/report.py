@@ -12,6 +12,7 @@ PLOTS = [
     ("ess", ["is/ess"], "IS effective sample size"),
     ("lag", ["lag/mean", "lag/max"], "weight lag (versions)"),
     ("decomposition", ["mismatch/kernel_max_abs", "mismatch/lag_max_abs"], "max |log-ratio part|"),
+    ("turns", ["rollout/turns_mean"], "model turns per episode"),
 ]
 
 
@@ -38,8 +39,8 @@ def write_report(run_dir: str | Path) -> Path:
     images = []
     for name, keys, title in PLOTS:
         present = [k for k in keys if any(k in r for r in rows)]
-        if not present:
-            continue
+        if not present or (name == "turns" and all(r.get("rollout/turns_mean", 1) <= 1 for r in rows)):
+            continue  # single-turn runs: nothing to plot
         fig, ax = plt.subplots(figsize=(6, 3.2))
         for k in present:
             ax.plot(steps, [r.get(k, math.nan) for r in rows], label=k)
