@@ -9,10 +9,25 @@ from rzero.config import ConfigError, load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["default.toml", "lag8.toml", "sync.toml"])
+@pytest.mark.parametrize("name", ["default.toml", "lag8.toml", "sync.toml", "tool_calc_lag64.toml", "tool_calc_sync.toml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name)
     assert config.train.loss == "reinforce_is"
+
+
+def test_tool_calc_sync_config_differs_from_lag64_only_in_mode():
+    lag64, sync = load_config(CONFIGS / "tool_calc_lag64.toml"), load_config(CONFIGS / "tool_calc_sync.toml")
+    assert (lag64.rollout.mode, lag64.rollout.max_lag, sync.rollout.mode, sync.rollout.max_lag) == ("async", 64, "sync", 0)
+    sync.rollout = lag64.rollout
+    assert sync == lag64
+
+
+def test_overrides_reach_nested_tables():
+    config = load_config(CONFIGS / "tool_calc_lag64.toml", ["env.tools.calculator.latency_s=2.5"])
+    calculator = config.env.tools["calculator"]
+    assert calculator.latency_s == 2.5 and calculator.latency == "lognormal"  # the rest of the table is kept
+    with pytest.raises(ConfigError, match=r"env\.digits is not a section"):
+        load_config(CONFIGS / "tool_calc_lag64.toml", ["env.digits.x=1"])
 
 
 def test_default_toml_matches_builtin_defaults():

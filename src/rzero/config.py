@@ -195,10 +195,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         key, value = item.split("=", 1)
-        section, _, name = key.strip().partition(".")
-        if not isinstance(data.setdefault(section, {}), dict):
-            raise ConfigError(f"--set {item!r}: {section} is not a section")
-        data[section][name] = _parse_value(value.strip())
+        *tables, name = key.strip().split(".")  # nested tables too: env.tools.calculator.latency_s
+        node = data
+        for depth, table in enumerate(tables):
+            node = node.setdefault(table, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(tables[: depth + 1])} is not a section")
+        node[name] = _parse_value(value.strip())
     if overrides:
         source += " with --set " + " ".join(overrides)
     try:
