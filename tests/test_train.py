@@ -17,6 +17,7 @@ from rzero.train.run import prepare_base_model, train
 
 # Keys whose values depend on wall-clock time or thread timing rather than on the computation.
 NONDETERMINISTIC = ("time/", "tokens/s", "rollout/queued_groups", "rollout/in_flight_groups")
+PROCESS_LOCAL = ("rollout/weight_loads",)  # counted since the process started
 
 
 class DigitSevenEnv(ArithmeticEnv):
@@ -68,6 +69,21 @@ def test_invariant_async_run_has_zero_kernel_mismatch(tmp_path):
     assert any(m["mismatch/lag_max_abs"] > 0 for m in lagged)
 
 
+def test_weight_update_interval_loads_weights_less_often_and_stays_exact(tmp_path):
+    config = small_config(tmp_path, "rollout.max_lag=3", "rollout.weight_update_interval=3", "train.steps=6")
+    rows = metrics(train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None))
+    # Versions 0..6 are published; engines load version 0 and then only every third: at most 3.
+    assert rows[-1]["rollout/weight_loads"] <= 3
+    assert all(m["mismatch/kernel_max_abs"] == 0.0 and m["lag/max"] <= 3 for m in rows)
+
+
+def test_weight_update_interval_beyond_max_lag_is_rejected():
+    from rzero.config import ConfigError
+
+    with pytest.raises(ConfigError, match="weight_update_interval"):
+        load_config(None, ["rollout.max_lag=2", "rollout.weight_update_interval=3"])
+
+
 def test_standard_numerics_show_kernel_mismatch(tmp_path):
     config = small_config(tmp_path, "model.numerics=standard", "model.dtype=fp32", "train.steps=2")
     rows = metrics(train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None))
@@ -84,7 +100,7 @@ def warm_base(tmp_path_factory):
 
 
 def _comparable(rows):
-    return [{k: v for k, v in m.items() if not k.startswith(NONDETERMINISTIC)} for m in rows]
+    return [{k: v for k, v in m.items() if not k.startswith(NONDETERMINISTIC + PROCESS_LOCAL)} for m in rows]
 
 
 def test_kill9_resume_is_bitwise_identical_in_sync_mode(tmp_path, warm_base):

@@ -107,11 +107,20 @@ class RolloutSection(Section):
     top_k: int = Field(0, ge=0)
     workers: int = Field(1, ge=1)
     recompute_on_update: bool = True
+    # Engines load new weights once they are this many versions behind the trainer. Each load
+    # recomputes the K/V of every sequence in flight (exact μ), so in async runs with many long
+    # episodes a larger interval buys throughput for a little lag (at most max_lag).
+    weight_update_interval: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _sync_has_no_lag(self) -> RolloutSection:
         if self.mode == "sync" and self.max_lag != 0:
             raise ValueError("rollout.mode = 'sync' requires rollout.max_lag = 0")
+        if self.weight_update_interval > max(1, self.max_lag):
+            raise ValueError(
+                f"rollout.weight_update_interval ({self.weight_update_interval}) must be <= max(1, max_lag) "
+                f"({max(1, self.max_lag)}): rollouts sampled with older weights could never be trained on"
+            )
         return self
 
 

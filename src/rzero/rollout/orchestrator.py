@@ -55,13 +55,15 @@ class LocalBackend:
         sampling: SamplingParams,
         seed: int,
         workers: int = 1,
+        weight_update_interval: int = 1,
         rollout_delay_s: float = 0.0,
         state: dict | None = None,
     ):
         self.make_engine, self.env = make_engine, env
         self.prompts_per_step, self.group_size, self.max_lag = prompts_per_step, group_size, max_lag
         self.sampling, self.seed, self.num_workers = sampling, seed, workers
-        self.rollout_delay_s = rollout_delay_s
+        self.rollout_delay_s, self.weight_update_interval = rollout_delay_s, weight_update_interval
+        self.weight_loads = 0  # engine weight updates (each recomputes the K/V in flight)
         self.cond = threading.Condition()
         self.version = 0
         self.weights: dict[str, torch.Tensor] | None = None
@@ -138,6 +140,7 @@ class LocalBackend:
                 "rollout/reward_failures": float(self.reward_failures),
                 "rollout/queued_groups": float(len(self.finished)),
                 "rollout/in_flight_groups": float(len(self.in_flight)),
+                "rollout/weight_loads": float(self.weight_loads),
             }
 
     # --------------------------------------------------------------- worker side
@@ -168,7 +171,8 @@ class LocalBackend:
             with self.cond:
                 if self._stop:
                     return
-                weights, version = (self.weights, self.version) if local_version != self.version else (None, None)
+                due = local_version is None or self.version - local_version >= self.weight_update_interval
+                weights, version = (self.weights, self.version) if due else (None, None)
                 starts = []
                 while (g := self._admissible()) is not None:
                     starts.append(g)
@@ -180,6 +184,8 @@ class LocalBackend:
             if weights is not None:
                 engine.update_weights(weights, version)
                 local_version = version
+                with self.cond:
+                    self.weight_loads += 1
             for g in starts:
                 params = replace(self.sampling, n=self.group_size, seed=self.seed * 7919 + g)
                 runner.add(g, self.env.task(g), params)

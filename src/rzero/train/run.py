@@ -273,6 +273,7 @@ def train(
         sampling=sampling,
         seed=config.run.seed,
         workers=r.workers,
+        weight_update_interval=r.weight_update_interval,
         rollout_delay_s=config.env.rollout_delay_s,
         state=orchestrator_state,
     )
