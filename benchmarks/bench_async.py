@@ -29,8 +29,8 @@ from rzero.train.run import prepare_base_model, train
 def run_once(base: Path, out: Path, mode: str, args) -> tuple[float, list[dict]]:
     overrides = [*args.set, f'model.path="{base}"', "warm_start.steps=0", f"train.steps={args.steps}",
                  "run.tensorboard=false", f"run.checkpoint_every={args.steps}", f"rollout.mode={mode}"]
-    if mode == "sync":
-        overrides.append("rollout.max_lag=0")
+    if mode == "sync":  # the synchronous twin: no lag, weights loaded every step
+        overrides += ["rollout.max_lag=0", "rollout.weight_update_interval=1"]
     config = load_config(args.config, overrides)
     start = time.perf_counter()
     train(config, out, progress=False, log=lambda *a: None)
