@@ -188,18 +188,21 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def read_toml(path: Path, error: type[Exception] = ValueError, what: str = "config file") -> dict[str, Any]:
+    """A TOML file's tables; `error` names a missing file or bad TOML."""
+    if not path.is_file():
+        raise error(f"{what} {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise error(f"{path}: not valid TOML ({err})") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from err
-        source = str(path)
+        data, source = read_toml(Path(path), ConfigError), str(path)
     for item in overrides or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"--set {item!r}: expected section.key=value")

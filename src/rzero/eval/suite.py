@@ -8,14 +8,13 @@ Everything is checked, data files included, before a model is loaded.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from rzero.config import EnvSection, Section
+from rzero.config import EnvSection, Section, read_toml
 from rzero.envs import make_env
 
 SYNTHETIC_TASKS = ("arithmetic", "tool_calc")  # generated problems: the suite says how many
@@ -120,12 +119,7 @@ def _describe(err: ValidationError, path: Path, raw: dict) -> str:
 
 
 def _read(path: Path) -> Suite:
-    if not path.is_file():
-        raise SuiteError(f"suite file {path} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise SuiteError(f"{path}: not valid TOML ({err})") from None
+    raw = read_toml(path, SuiteError, what="suite file")
     try:
         return Suite.model_validate(raw)
     except ValidationError as err:
