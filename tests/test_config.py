@@ -99,3 +99,11 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"run\.wandb = true needs the wandb package"):
         train(load_config(None, ["run.wandb=true"]), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_shipped_eval_suite_loads():
+    from rzero.eval.suite import load_suite
+
+    (plan,) = load_suite(CONFIGS / "eval" / "tool_calc.toml")
+    assert plan.task == "tool_calc" and plan.num_tasks == 100 and plan.sampling.k == 4
+
