@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rzero.model.tokenizer import IM_END
+from rzero.model.tokenizer import IM_END, IM_START
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,5 @@ class Env:
 
 def final_turn(completion: str) -> str:
     """The text of the model's last turn: after the last tool response, before end of turn."""
-    from rzero.model.tokenizer import IM_START
-
     last_turn = completion.rsplit(IM_START + "assistant\n", 1)[-1]
     return last_turn.split(IM_END)[0]
