@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from rzero.ops.attention_meta import Q_TILE, AttentionMeta
+from rzero.ops.attention_meta import ATTN_BLOCK, Q_TILE, AttentionMeta
 
 ROW_TILE = 16
 ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
@@ -183,14 +183,55 @@ class _Attention(torch.autograd.Function):
         return tuple(grads)
 
 
+def _buckets(meta: AttentionMeta) -> list[tuple[torch.Tensor, AttentionMeta]] | None:
+    """Sequences of similar query and key counts, each with its own meta; None for one bucket.
+
+    One padded matmul over the whole batch pads every sequence to the longest query chunk and the
+    longest context: a 20-token prefill next to 255 decodes multiplies the decode rows' work by
+    20. Each element's bits do not depend on that padding (see _attention_forward), so the batch
+    may be split anywhere; the split only saves work.
+    """
+    cached = meta.__dict__.get("_invariant_buckets", False)
+    if cached is not False:
+        return cached
+    blocks = [-(-int(n) // ATTN_BLOCK) for n in meta.kv_lens.tolist()]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (n, b) in enumerate(zip(meta.q_lens, blocks)):
+        groups.setdefault((1 << (n - 1).bit_length(), 1 << (b - 1).bit_length()), []).append(i)
+    buckets = None
+    if len(groups) > 1:
+        starts = [0]
+        for n in meta.q_lens:
+            starts.append(starts[-1] + n)
+        buckets = []
+        for seqs in groups.values():
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+            tables = [meta.block_tables[i, : blocks[i]].tolist() for i in seqs]
+            sub = AttentionMeta.build([meta.q_lens[i] for i in seqs], [meta.ctx_lens[i] for i in seqs], tables)
+            buckets.append((rows, sub))
+    meta.__dict__["_invariant_buckets"] = buckets
+    return buckets
+
+
+def _attention_rows(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
+    plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1])
+    out, _ = _attention_forward(q, k_cache, v_cache, plan, scale)
+    return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
+
+
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
 ) -> torch.Tensor:
-    plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1])
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1])
         return _Attention.apply(q, k_cache, v_cache, plan, scale)
-    out, _ = _attention_forward(q, k_cache, v_cache, plan, scale)
-    return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
+    buckets = _buckets(meta)
+    if buckets is None:
+        return _attention_rows(q, k_cache, v_cache, meta, scale)
+    out = q.new_zeros((meta.padded_tokens, *q.shape[1:]))  # padding rows stay 0: finite, never used
+    for rows, sub in buckets:
+        out.index_copy_(0, rows, _attention_rows(q.index_select(0, rows), k_cache, v_cache, sub, scale)[: len(rows)])
+    return out
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
