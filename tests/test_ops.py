@@ -667,3 +667,41 @@ def test_sample_tokens_frequencies_match_distribution():
     # 5 degrees of freedom: P(chi2 > 30) ~ 1.5e-5.
     assert chi2 < 30, f"chi2={chi2:.1f} dof={dof} counts={counts.tolist()} expected={expected.tolist()}"
     assert math.isclose(probs.sum().item(), 1.0, abs_tol=1e-6)
+
+
+@SLOW
+@given(data=st.data(), shape=attn_shapes)
+def test_bucketed_attention_equals_one_padded_matmul(data, shape):
+    """The no-grad path splits a mixed batch (decodes next to prefill chunks, short and long
+    contexts) into buckets; its bits equal those of one GEMM padded over the whole batch."""
+    from rzero.ops import invariant
+
+    seqs = [draw_seq(data, shape, 60, f"seq{i}") for i in range(data.draw(st.integers(2, 6), label="sequences"))]
+    chunks = []
+    for i, s in enumerate(seqs):
+        start = data.draw(st.integers(0, s.length - 1), label=f"start{i}")
+        chunks.append((i, start, data.draw(st.integers(1, s.length - start), label=f"len{i}")))
+    run = PagedRun(seqs, None, torch.Generator().manual_seed(2))
+    tables = [run.tables[i][: blocks_for(start + n)] for i, start, n in chunks]
+    meta = AttentionMeta.build([n for _, _, n in chunks], [start for _, start, _ in chunks], tables)
+    q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
+    with ops.numerics("invariant"):
+        bucketed = ops.attention(q, run.k_cache, run.v_cache, meta, run.scale)
+        single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
+    assert torch.equal(bucketed[: meta.num_tokens], single[: meta.num_tokens])
+
+
+def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
+    from rzero.ops import invariant
+
+    gen = torch.Generator().manual_seed(3)
+    seqs = [Seq(gen, 60, 4, 2, 32, torch.float32), Seq(gen, 20, 4, 2, 32, torch.float32)]
+    run = PagedRun(seqs, None, gen)
+    chunks = [(0, 59, 1), (1, 0, 20)]  # a decode at position 59 next to a 20-token prefill
+    meta = AttentionMeta.build([1, 20], [59, 0], [run.tables[0], run.tables[1]])
+    q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
+    with ops.numerics("invariant"):
+        assert len(invariant._buckets(meta)) == 2
+        bucketed = ops.attention(q, run.k_cache, run.v_cache, meta, run.scale)
+        single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
+    assert torch.equal(bucketed[:21], single[:21])
