@@ -45,30 +45,13 @@ class ScriptedEnv(ArithmeticEnv):
 
 
 def run_episodes(engine, env, tasks, params):
-    """Drive a runner to completion, the way a rollout worker does."""
-    loop, done, cond = AsyncLoop(), [], threading.Condition()
-
-    def finished(ep):
-        with cond:
-            done.append(ep)
-            cond.notify_all()
-
-    def wake():
-        with cond:
-            cond.notify_all()
-
-    runner = EpisodeRunner(engine, env, loop, finished, wake=wake)
+    """Drive a runner until every episode of `tasks` has finished."""
+    loop, done = AsyncLoop(), []
+    runner = EpisodeRunner(engine, env, loop, done.append)
     for i, task in enumerate(tasks):
         runner.add(i, task, params)
     try:
-        while True:
-            with cond:
-                if len(done) == len(tasks) * params.n:
-                    break
-                if not runner.has_engine_work():
-                    cond.wait(timeout=0.5)
-                    continue
-            runner.step()
+        runner.run_until(lambda: len(done) == len(tasks) * params.n)
     finally:
         loop.close()
     return sorted(done, key=lambda e: (e.key, e.sample))

@@ -185,6 +185,8 @@ class ScriptedEngine:
         self.pending: list[str] = []
 
     def add_request(self, prompt, params, request_id):
+        if not isinstance(prompt, str):  # token ids, as the episode runner sends them
+            prompt = self.tokenizer.decode(prompt, skip_special_tokens=False)
         self.seeds[prompt] = params.seed
         ids = [f"{request_id}/{j}" for j in range(params.n)]
         for j, rid in enumerate(ids):

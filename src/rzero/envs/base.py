@@ -18,6 +18,7 @@ plain function (it runs on a worker thread) or a coroutine. See docs/environment
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +38,14 @@ class Task:
 Reference = str | list[tuple[str, bool]]
 
 
-class Env:
+class Env(ABC):
     """Base class for environments (subclassing is optional: the orchestrator duck-types)."""
 
     max_turns: int = 1  # model turns per episode
 
+    @abstractmethod
     def task(self, index: int) -> Task:
         """Task `index`; a pure function of the index (and the env's seed), so runs can resume."""
-        raise NotImplementedError
 
     async def respond(self, task: Task, completion: str) -> str | None:
         """The environment's answer to the model's latest turn, or None to end the episode.
@@ -55,8 +56,9 @@ class Env:
         """
         return None
 
+    @abstractmethod
     def reward(self, task: Task, completion: str) -> float:
-        raise NotImplementedError
+        """The episode's reward (may also be a coroutine)."""
 
     def reference(self, task: Task) -> Reference:
         """The supervised target for a warm start (optional)."""

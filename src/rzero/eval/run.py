@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,7 +54,6 @@ def run_benchmark(
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, n=s.samples)
     tasks = [plan.env.task(i) for i in range(plan.num_tasks)]
     problems = [Problem(t.index, t.prompt, t.answer, [None] * s.samples) for t in tasks]
-    cond = threading.Condition()
     remaining = len(tasks) * s.samples
 
     def finished(episode: Episode) -> None:  # on the loop thread
@@ -63,30 +61,18 @@ def run_benchmark(
         sample = Sample(
             episode.text, episode.reward, sum(episode.mask), episode.finish_reason, episode.failed, episode.error
         )
-        with cond:
-            problems[episode.key].samples[episode.sample] = sample
-            remaining -= 1
-            cond.notify_all()
+        problems[episode.key].samples[episode.sample] = sample
+        remaining -= 1
         advance()
 
-    def wake() -> None:
-        with cond:
-            cond.notify_all()
-
-    runner = EpisodeRunner(engine, plan.env, loop, finished, wake=wake)
+    runner = EpisodeRunner(engine, plan.env, loop, finished)
     for task in tasks:
         try:
             runner.add(task.index, task, replace(params, seed=problem_seed(seed, plan.name, task.index)))
         except ValueError as err:  # e.g. a prompt longer than the model's context
             raise ValueError(f"benchmark {plan.name!r}, problem {task.index}: {err}") from None
-    while True:
-        with cond:
-            if remaining == 0:
-                return problems
-            if not runner.has_engine_work():
-                cond.wait(timeout=0.5)  # every live episode is waiting on its env (a tool call, a reward)
-                continue
-        runner.step()
+    runner.run_until(lambda: remaining == 0)
+    return problems
 
 
 def evaluate(engine: Engine, plans: list[BenchmarkPlan], seed: int, progress: bool = True) -> list[BenchmarkResult]:

@@ -88,7 +88,8 @@ class EpisodeRunner:
         delay_s: float = 0.0,
     ):
         """`on_finished` and `wake` are called on the loop thread: the first with each finished
-        episode (reward set), the second whenever a continuation is ready for `step()`."""
+        episode (reward set), the second whenever a continuation is ready for `step()` (callers
+        that drive the engine with `run_until` need neither to wake them)."""
         if engine.tokenizer is None:
             raise ValueError("episodes need an engine with a tokenizer (environments speak text)")
         self.engine, self.env, self.loop = engine, env, loop
@@ -98,8 +99,10 @@ class EpisodeRunner:
         # engine request id -> (episode, the task's sampling params with n = 1)
         self._live: dict[str, tuple[Episode, SamplingParams]] = {}
         self._ready: deque[tuple[Episode, SamplingParams]] = deque()  # episodes due for their next turn
-        self._backlog: deque[tuple[Any, Task, SamplingParams]] = deque()  # tasks not yet in the engine
+        # Tasks not yet in the engine, with their prompt's token ids.
+        self._backlog: deque[tuple[Any, Task, list[int], SamplingParams]] = deque()
         self._lock = threading.Lock()
+        self._changed = threading.Condition()  # notified when an episode finishes or a continuation is ready
         self._logged: set[str] = set()  # env failures already logged with a traceback
 
     # ------------------------------------------------------------ engine thread
@@ -107,18 +110,33 @@ class EpisodeRunner:
     def add(self, key: Any, task: Task, params: SamplingParams) -> None:
         """Start params.n episodes of `task` (their first turn shares the prompt's KV blocks).
         Bad input (a prompt too long for the context) raises ValueError here."""
-        self.engine.validate_prompt(task.prompt)
-        self._backlog.append((key, task, params))
+        self._backlog.append((key, task, self.engine.validate_prompt(task.prompt), params))
 
-    def _start(self, key: Any, task: Task, params: SamplingParams) -> None:
-        ids = self.engine.add_request(task.prompt, params, request_id=f"ep{key}")
-        prompt_ids = self.engine.sequences[ids[0]].token_ids[:]
+    def _start(self, key: Any, task: Task, prompt_ids: list[int], params: SamplingParams) -> None:
+        ids = self.engine.add_request(prompt_ids, params, request_id=f"ep{key}")
         single = replace(params, n=1)
         for j, rid in enumerate(ids):
             self._live[rid] = (Episode(key, j, task, prompt_ids), single)
 
     def has_engine_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self._ready) or bool(self._backlog)
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Drive the engine until `done()`, which is checked whenever an episode finishes; while
+        every live episode waits on its environment, sleep instead of spinning."""
+        while True:
+            with self._changed:
+                if done():
+                    return
+                if not self.has_engine_work():
+                    self._changed.wait(timeout=0.5)
+                    continue
+            self.step()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+        self.wake()
 
     def step(self) -> None:
         """Queue ready continuations, run one engine step, hand finished turns to the env."""
@@ -181,7 +199,7 @@ class EpisodeRunner:
         episode.text += response
         with self._lock:
             self._ready.append((episode, params))
-        self.wake()
+        self._notify()
 
     async def _score(self, episode: Episode) -> None:
         try:
@@ -195,6 +213,7 @@ class EpisodeRunner:
         except Exception as err:
             self._fail(episode, "env.reward", err)
         self.on_finished(episode)
+        self._notify()
 
     def _fail(self, episode: Episode, where: str, err: Exception) -> None:
         # One traceback per kind of failure: a broken env must not flood the log.

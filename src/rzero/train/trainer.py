@@ -227,6 +227,7 @@ class Trainer:
         step = self.version
         pi = torch.cat(trainer_lps)
         mu = torch.tensor([x for r in rollouts for x in r.policy_logprobs()], dtype=torch.float32)
+        per_rollout = [set(r.policy_versions()) for r in rollouts]
         versions = torch.tensor([v for r in rollouts for v in r.policy_versions()], dtype=torch.long)
         log_w = pi - mu
         w = torch.exp(log_w)
@@ -248,7 +249,7 @@ class Trainer:
             for v in sorted(set(versions.tolist()) - {step}):
                 if v not in self.ring:
                     raise RuntimeError(f"weights of version {v} left the ring buffer (lag beyond max_lag?)")
-                chosen = [i for i, r in enumerate(rollouts) if v in r.policy_versions()]
+                chosen = [i for i, seen in enumerate(per_rollout) if v in seen]
                 scored = self.token_logprobs(self._scratch_model(v), [rollouts[i] for i in chosen])
                 for i, lp in zip(chosen, scored):
                     sl = slice(int(offsets[i]), int(offsets[i + 1]))
