@@ -81,6 +81,54 @@ def test_invariant_linear_rows_are_batch_invariant(data, K, N, dtype):
     assert torch.equal(alone, as_3d)
 
 
+def grouping_probe(rows: int, K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 inputs whose products are 0, ±1 or ±2^24: an fp32 sum of them depends on how the GEMM
+    groups its K terms ((2^24 + 1) - 2^24 = 0 but (2^24 - 2^24) + 1 = 1), so a change of kernel or
+    K blocking shows in the output instead of hiding below the bf16 rounding."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def side(n: int) -> torch.Tensor:
+        big = torch.rand(n, K, generator=gen) < 0.05
+        sign = torch.where(torch.rand(n, K, generator=gen) < 0.5, 1.0, -1.0)
+        ones = (torch.rand(n, K, generator=gen) < 0.5).float()
+        return torch.where(big, 4096.0 * sign, ones).bfloat16()
+
+    return side(rows), side(N)
+
+
+# Shapes of the tiny presets and of a Qwen3-0.6B layer (hidden 1024, MLP 3072).
+PROBE_SHAPES = [(128, 128), (128, 512), (512, 128), (128, 1024), (1024, 3072), (3072, 1024), (1024, 1024)]
+
+
+def test_stock_bf16_linear_changes_grouping_with_row_count():
+    """Negative control: on this CPU the stock bf16 GEMM sums a row's K terms differently for
+    different row counts (kernel and K blocking follow M), for at least one shape."""
+    changed = []
+    for K, N in PROBE_SHAPES:
+        x, weight = grouping_probe(512, K, N, seed=K * N)
+        first = F.linear(x[:16], weight)
+        changed += [(K, N, m) for m in (32, 64, 96, 128, 256, 512) if not torch.equal(F.linear(x[:m], weight)[:16], first)]
+    if not changed:
+        pytest.skip("this CPU's bf16 GEMM happens to be row-count invariant for these shapes")
+    assert changed
+
+
+@pytest.mark.parametrize("K,N", PROBE_SHAPES)
+def test_invariant_linear_grouping_probe_over_row_counts_and_threads(K, N):
+    x, weight = grouping_probe(512, K, N, seed=K * N)
+    threads = torch.get_num_threads()
+    with ops.numerics("invariant"):
+        first = ops.linear(x[:16], weight)
+        try:
+            for t in sorted({1, threads}):
+                torch.set_num_threads(t)
+                for m in (1, 5, 16, 48, 96, 128, 160, 512):
+                    got = ops.linear(x[:m], weight)[: min(m, 16)]
+                    assert torch.equal(got, first[: min(m, 16)]), f"{K}x{N}: rows={m} threads={t}"
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_invariant_linear_close_to_stock():
     gen = torch.Generator().manual_seed(1)
     weight, x = randn(gen, 96, 128), randn(gen, 37, 128)

@@ -2,8 +2,12 @@
 
 Why each is invariant (tests/test_ops.py checks every claim on this machine):
 
-- matmul: the CPU GEMM gives row r the same bits for every row count that is a multiple of 4; a
-  lone row (M = 1) or the last M % 4 rows take other kernels. We pad rows to ROW_TILE.
+- matmul: the CPU GEMM's kernel and its K blocking depend on the row count M and the thread
+  count (on AMX machines a bf16 row's bits differ between M = 96 and M = 128, and for K = 3072
+  between 1 and 2 threads). We cut the rows into tiles of exactly ROW_TILE and run one batched
+  GEMM over the tiles with a broadcast weight: every tile is the same (ROW_TILE, K) x (K, N)
+  problem, whatever the batch, so a row's bits do not depend on M or on its neighbours.
+  tests/test_ops.py probes this with inputs whose fp32 sums expose any change of grouping.
 - row reductions (norms, softmax): each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
   padding rows to ROW_TILE rules that out.
@@ -51,8 +55,9 @@ def padded_rows(num_rows: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2, rows = _pad_rows(x)
-    out = F.linear(x2, weight)[:rows]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    tiles = x2.view(-1, ROW_TILE, x2.shape[-1])
+    out = torch.bmm(tiles, weight.t().expand(tiles.shape[0], *weight.t().shape))
+    return out.view(-1, weight.shape[0])[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
