@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import json
 import math
+import shutil
 import socket
 import threading
 import time
+import unicodedata
 
 import httpx
 import openai
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import uvicorn
 
-from rzero import ops
+from rzero import cli, ops
 from rzero.engine import Engine, SamplingParams
 from rzero.engine.sequence import StepOutput
 from rzero.model.io import load_model
@@ -102,8 +104,13 @@ def engine(model_dir) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def base_url(engine, template):
-    with running(build_app(engine, MODEL, template)) as url:
+def app(engine, template):
+    return build_app(engine, MODEL, template)
+
+
+@pytest.fixture(scope="module")
+def base_url(app):
+    with running(app) as url:
         yield url
 
 
@@ -194,6 +201,19 @@ def test_token_bytes_rebuild_multibyte_characters(reference):
     ids = reference.tokenizer.encode(text, add_special_tokens=False).ids
     assert any("\ufffd" in pieces.text(i) for i in ids), "expected a token that is part of a character"
     assert b"".join(bytes(pieces.bytes(i)) for i in ids).decode() == text
+
+
+def test_length_bound_never_exceeds_the_token_count(app):
+    """The bound that refuses a prompt untokenized is sound, even on text made of the longest tokens."""
+    serving = app.state.serving
+    tokenizer = serving.tokenizer
+    longest = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: -len(item[0]))[:20]
+    texts = [tokenizer.decode([i], skip_special_tokens=False) * 50 for _, i in longest]
+    texts += ["hi " * 1000, " " * 5000, "0123456789" * 300, "日本 € 🙂" * 500]
+    texts += [unicodedata.normalize("NFD", "\u1f82") * 1000, "\u1100\u1161\u11a8" * 1000]  # NFC joins these
+    for text in texts:
+        num_tokens = len(tokenizer.encode(text, add_special_tokens=False).ids)
+        assert 0 < serving._min_tokens(text) <= num_tokens, text[:40]
 
 
 def test_chat_template_renders_like_transformers(model_dir, template):
@@ -385,6 +405,61 @@ def test_server_keeps_serving_after_errors(base_url, client):
     assert good.choices[0].finish_reason in ("stop", "length") and good.usage.completion_tokens >= 1
 
 
+def health_latencies_while(base_url: str, request) -> tuple[httpx.Response, list[float]]:
+    """Send request() from a thread and, until it is answered, GET /health again and again: its
+    response, and how long each /health took."""
+    answered = {}
+    thread = threading.Thread(target=lambda: answered.update(response=request()))
+    latencies = []
+    with httpx.Client(base_url=base_url.removesuffix("/v1"), timeout=60) as health:
+        thread.start()
+        while thread.is_alive() or not latencies:
+            start = time.monotonic()
+            assert health.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+    thread.join()
+    return answered["response"], latencies
+
+
+def post_json(url: str, body: bytes, chunked: bool = False) -> httpx.Response:
+    """POST a JSON body, with a Content-Length or, chunked, without one."""
+    content = (body[i : i + 2**16] for i in range(0, len(body), 2**16)) if chunked else body
+    return httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=120)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_body_past_the_cap_gets_413_and_health_stays_responsive(base_url, chunked):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 3_000_000}]}).encode()
+    assert len(body) > 9_000_000
+    response, latencies = health_latencies_while(
+        base_url, lambda: post_json(base_url + "/chat/completions", body, chunked)
+    )
+    assert response.status_code == 413, response.text[:300]
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+    assert str(4 * 1024**2) in error["message"]
+    assert max(latencies) < 0.5, latencies
+
+
+@pytest.mark.parametrize("length_bound", [True, False], ids=["refused-by-length", "tokenized"])
+def test_prompt_past_the_context_gets_400_and_health_stays_responsive(app, base_url, monkeypatch, length_bound):
+    """Just under the body cap: refused from its length alone, or (the bound turned off) tokenized
+    on a worker thread, seconds during which the server keeps answering."""
+    if not length_bound:
+        monkeypatch.setattr(app.state.serving, "_max_chars_per_token", None)
+    overhead = len(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": ""}]}))
+    content = "hi " * ((4 * 1024**2 - overhead) // 3)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode()
+    assert 4 * 1024**2 - 3 < len(body) <= 4 * 1024**2
+    response, latencies = health_latencies_while(base_url, lambda: post_json(base_url + "/chat/completions", body))
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "context is 1024 tokens" in error["message"]
+    assert ("characters, so at least" in error["message"]) == length_bound, error["message"]
+    assert max(latencies) < 0.5, latencies
+
+
 def test_client_disconnect_aborts_the_request(base_url, engine, monkeypatch):
     aborted = []
     real_abort = engine.abort
@@ -398,6 +473,28 @@ def test_client_disconnect_aborts_the_request(base_url, engine, monkeypatch):
     while (len(aborted) < 2 or engine.sequences) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(aborted) == 2 and not engine.sequences
+
+
+# ---------------------------------------------------------------------------------------------
+# the command: a model directory that cannot be served is named in one line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_serve_names_a_missing_model_directory(tmp_path, capsys):
+    missing = tmp_path / "nonexistent"
+    assert cli.main(["serve", "--model", str(missing)]) == 2
+    assert capsys.readouterr().err == f"rzero serve: error: {missing}: no such model directory\n"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_serve_names_a_damaged_weights_file(model_dir, tmp_path, capsys, damage):
+    broken = shutil.copytree(model_dir, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a safetensors file" * 100)
+    assert cli.main(["serve", "--model", str(broken)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"rzero serve: error: {weights}: not a valid safetensors file (")
 
 
 # ---------------------------------------------------------------------------------------------

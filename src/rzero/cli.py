@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="engine seed, from which requests without a seed get one")
+    p.add_argument(
+        "--max-request-bytes", type=int, default=4 * 1024**2, help="largest request body accepted (larger: HTTP 413)"
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_serve)
     return parser

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -77,9 +77,12 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "fp32") -> Qwen
     for path in _weight_files(model_dir):
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir}: weight shard {path.name} listed in the index is missing")
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                found[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    found[name] = f.get_tensor(name)
+        except SafetensorError as err:  # truncated or not safetensors at all
+            raise ValueError(f"{path}: not a valid safetensors file ({err})") from err
     if model.config.tie_word_embeddings:
         found.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(found))

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rzero import ops
 from rzero.engine import Engine
@@ -30,8 +31,11 @@ from rzero.serve.protocol import (
 from rzero.serve.serving import APIError, Serving
 
 
-def build_app(engine: Engine, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
-    """The app; its lifespan starts and stops the thread that steps the engine."""
+def build_app(
+    engine: Engine, model_name: str, chat_template: ChatTemplate | None = None, max_request_bytes: int = 4 * 1024**2
+) -> FastAPI:
+    """The app; its lifespan starts and stops the thread that steps the engine. Request bodies
+    past max_request_bytes are answered 413."""
     dtype = str(engine.model.dtype).removeprefix("torch.")
     serving = Serving(engine, model_name, chat_template, system_fingerprint=f"rzero-{ops.get_numerics()}-{dtype}")
     created = int(time.time())
@@ -46,6 +50,7 @@ def build_app(engine: Engine, model_name: str, chat_template: ChatTemplate | Non
 
     app = FastAPI(title="rzero", lifespan=lifespan)
     app.state.serving = serving
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
 
     @app.get("/health")
     async def health() -> dict:
@@ -67,7 +72,45 @@ def build_app(engine: Engine, model_name: str, chat_template: ChatTemplate | Non
     return app
 
 
+class _BodyTooLarge(HTTPException):
+    # An HTTPException, so that FastAPI lets it out of its body parsing unchanged.
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"The request body is larger than this server's limit of {max_bytes} bytes")
+
+
+class _BodyLimit:
+    """Refuse a request body past max_bytes before it is held in memory, parsed and tokenized:
+    before reading any of it when its Content-Length says so, else (a chunked body) as soon as the
+    bytes received pass the limit. Only endpoints that read their body are concerned."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            if declared is not None and int(declared) > self.max_bytes:
+                raise _BodyTooLarge(self.max_bytes)
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+
 def _answer_errors_as_openai_does(app: FastAPI) -> None:
+    @app.exception_handler(_BodyTooLarge)
+    async def body_too_large(_: Request, error: _BodyTooLarge) -> JSONResponse:
+        return _error(413, error.detail, code="request_too_large")
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return _error(error.status, error.message, error.param, error.code)
@@ -101,12 +144,14 @@ def _error(
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if not Path(args.model).is_dir():  # else the first file looked for would be named as missing
+        raise FileNotFoundError(f"{args.model}: no such model directory")
     ops.set_numerics(args.numerics)
     engine = Engine(
         args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
     )
     name = args.served_model_name or Path(args.model).resolve().name
-    app = build_app(engine, name, ChatTemplate.from_model_dir(args.model))
+    app = build_app(engine, name, ChatTemplate.from_model_dir(args.model), args.max_request_bytes)
     print(f"serving {name} ({args.numerics} numerics, {args.dtype}) at http://{args.host}:{args.port}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -33,11 +34,12 @@ async def create_chat_completion(
     serving.check_model(request.model)
     if serving.chat_template is None:
         raise APIError("This model has no chat template; use /v1/completions", param="messages")
-    try:
-        text = serving.chat_template.render([m.template_data() for m in request.messages], request.tools)
+    messages = [m.template_data() for m in request.messages]
+    try:  # on a worker thread, as tokenizing: a template is arbitrary code, over a body of up to the cap
+        text = await asyncio.to_thread(serving.chat_template.render, messages, request.tools)
     except ChatTemplateError as error:
         raise APIError(str(error), param="messages") from error
-    prompt = serving.tokenize(text)
+    prompt = await serving.tokenize(text, "messages")
     max_tokens = serving.completion_budget(len(prompt), request.max_completion_tokens or request.max_tokens, "messages")
     params = serving.sampling_params(request, max_tokens, request.top_logprobs)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -15,7 +15,7 @@ from rzero.serve.serving import APIError, Serving, collect, event_stream, until_
 
 async def create_completion(serving: Serving, request: CompletionRequest, http: Request) -> Response | Completion:
     serving.check_model(request.model)
-    prompts = [serving.tokenize(p) if isinstance(p, str) else p for p in request.prompts()]
+    prompts = [await serving.tokenize(p, "prompt") if isinstance(p, str) else p for p in request.prompts()]
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
     for prompt in prompts:  # each must leave room for max_tokens

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import unicodedata
 from collections.abc import AsyncIterator, Coroutine
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from tokenizers import Tokenizer, decoders, normalizers
 
 from rzero.engine import Engine, SamplingParams
 from rzero.serve.async_engine import AsyncEngine, RequestStream
@@ -32,6 +34,7 @@ class Serving:
         self.async_engine = AsyncEngine(engine)
         self.tokenizer = engine.tokenizer
         self.pieces = TokenPieces(engine.tokenizer)
+        self._max_chars_per_token = _max_chars_per_token(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.model_name = model_name
         self.chat_template = chat_template
@@ -41,8 +44,32 @@ class Serving:
         if name != self.model_name:
             raise APIError(f"The model `{name}` does not exist", status=404, param="model", code="model_not_found")
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    async def tokenize(self, text: str, prompt_param: str) -> list[int]:
+        """The text's token ids, computed on a worker thread: a long prompt takes seconds to tokenize,
+        and the event loop must keep answering meanwhile. A text whose length alone proves that it
+        overflows the context is refused without being tokenized."""
+        at_least = self._min_tokens(text)
+        if at_least >= self.max_model_len:
+            raise APIError(
+                f"The prompt has {len(text)} characters, so at least {at_least} tokens, but the model's context "
+                f"is {self.max_model_len} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        # encode_batch_fast: encode holds the GIL throughout (the loop would stall anyway), and the
+        # offsets that the fast variant skips would cost half as much again in time and memory.
+        (encoding,) = await asyncio.to_thread(self.tokenizer.encode_batch_fast, [text], add_special_tokens=False)
+        return encoding.ids
+
+    def _min_tokens(self, text: str) -> int:
+        """A lower bound on the text's token count, from its length alone (0 if the tokenizer gives none)."""
+        if self._max_chars_per_token is None:
+            return 0
+        chars = len(text)
+        if not unicodedata.is_normalized("NFC", text):
+            # NFC joins at most 4 code points into one (the longest canonical decomposition, e.g. U+1F82).
+            chars = -(-chars // 4)
+        return -(-chars // self._max_chars_per_token)
 
     def completion_budget(self, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
         """max_tokens as requested (an error if prompt and completion overflow the context), or,
@@ -93,6 +120,21 @@ class Serving:
                 for i, value in top or []
             ],
         )
+
+
+def _max_chars_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most characters of NFC text one token can stand for, if the tokenizer bounds it.
+
+    Byte-level BPE (rzero's models) puts every byte of the normalized text in exactly one token, and
+    a token's vocabulary entry has one character per byte, so no token stands for more characters
+    than the longest entry has. Other tokenizers may drop characters (whitespace splitting, strip
+    normalizers), and other normalizers may merge them: no bound.
+    """
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    if tokenizer.normalizer is not None and not isinstance(tokenizer.normalizer, normalizers.NFC):
+        return None
+    return max(len(token) for token in tokenizer.get_vocab(with_added_tokens=True))
 
 
 async def collect(stream: RequestStream, samples: list[Sample]) -> None:
