@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from rzero import ops
-from rzero.model.io import load_model, read_config, save_model
+from rzero.model.io import load_model, read_config, read_tokenizer_files, save_model
 from rzero.model.presets import PRESETS
 from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from rzero.ops import AttentionMeta
@@ -137,7 +137,7 @@ def test_tied_embeddings_saved_once(tiny_dense_dir):
 def test_sharded_save_loads_in_rzero_and_transformers(tmp_path, tiny_moe_dir):
     model = load_model(tiny_moe_dir)
     out = tmp_path / "sharded"
-    save_model(model, out, max_shard_bytes=400_000, extra_files_from=tiny_moe_dir)
+    save_model(model, out, max_shard_bytes=400_000, extra_files=read_tokenizer_files(tiny_moe_dir))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()

@@ -9,7 +9,7 @@ import sys
 def _init_model(args: argparse.Namespace) -> int:
     from rzero.model.presets import init_model
 
-    out = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    out = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {args.preset} model to {out}")
     return 0
 
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="model directory to create")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the saved weights")
+    p.add_argument("--force", action="store_true", help="overwrite the model files of an existing model directory")
     p.set_defaults(func=_init_model)
 
     p = sub.add_parser("check", help="run the alignment checklist C0-C10 against a model directory")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, RuntimeError) as err:  # OSError: unwritable paths, full disks
         print(f"rzero {args.command}: error: {err}", file=sys.stderr)
         return 2
 

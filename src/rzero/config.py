@@ -141,6 +141,9 @@ class TrainSection(Section):
     tis_cap: float = Field(2.0, gt=0)
     icepop_low: float = Field(0.5, gt=0)
     icepop_high: float = Field(2.0, gt=0)
+    # Stop the run when this many updates in a row were skipped (non-finite loss or gradient):
+    # the model has diverged and every further step only burns the budget.
+    max_consecutive_skips: int = Field(10, ge=1)
 
 
 class DiagnosticsSection(Section):

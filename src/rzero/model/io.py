@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,17 +112,24 @@ def save_model(
     model: Qwen3ForCausalLM,
     out_dir: str | Path,
     *,
-    extra_files_from: str | Path | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     max_shard_bytes: int = 2 * 1024**3,
     dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Write config.json and safetensors (sharded past max_shard_bytes), atomically.
 
     The directory is assembled next to out_dir and renamed into place, so a crash mid-write never
-    leaves a half-written model. Tokenizer files are copied from extra_files_from when given.
+    leaves a half-written model. `extra_files` (name -> bytes, e.g. from read_tokenizer_files) are
+    written beside the weights. An existing out_dir is replaced only if it is a model directory
+    and `overwrite` is set; then only the files rzero writes are replaced, nothing else is deleted.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out_dir, overwrite)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        raise ValueError(f"{out_dir}: cannot create it, a parent is not a directory ({err})") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         save_dtype = parse_dtype(dtype) if dtype is not None else model.dtype
@@ -155,22 +163,53 @@ def save_model(
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
-        if extra_files_from is not None:
-            for fname in TOKENIZER_FILES:
-                src = Path(extra_files_from) / fname
-                if src.is_file():
-                    shutil.copy2(src, tmp / fname)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
+        for fname, data in (extra_files or {}).items():
+            (tmp / fname).write_bytes(data)
+            os.chmod(tmp / fname, 0o644)
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            # Replace our own files one by one; the user's other files stay where they are.
+            for stale in _written_files(out_dir):
+                if not (tmp / stale.name).exists():
+                    stale.unlink()
+            for f in tmp.iterdir():
+                os.replace(f, out_dir / f.name)
+            tmp.rmdir()
         else:
+            if out_dir.is_dir():
+                out_dir.rmdir()  # empty
             os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _written_files(model_dir: Path) -> list[Path]:
+    """The files save_model writes into a model directory."""
+    names = {"config.json", "model.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES}
+    return [f for f in model_dir.iterdir() if f.name in names or (f.name.startswith("model-") and f.suffix == ".safetensors")]
+
+
+def check_output_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an output path whose contents rzero did not write (or may not replace)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"{out_dir}: exists and is not a directory; refusing to replace it")
+    if not any(out_dir.iterdir()):
+        return
+    if not (out_dir / "config.json").is_file():
+        raise ValueError(f"{out_dir}: not empty and not a model directory; refusing to write into it")
+    if not overwrite:
+        raise ValueError(f"{out_dir}: already holds a model (use --force to overwrite it)")
+
+
+def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
+    """The tokenizer files of a model directory, read into memory (so that copies never depend on
+    the directory still existing later). tokenizer.json is required."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json (every rzero model directory carries its tokenizer)")
+    return {f: (model_dir / f).read_bytes() for f in TOKENIZER_FILES if (model_dir / f).is_file()}
 
 
 def hf_config_dict(model: Qwen3ForCausalLM) -> dict[str, Any]:

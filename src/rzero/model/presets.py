@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
-from rzero.model.io import save_model
+from rzero.model.io import check_output_dir, read_tokenizer_files, save_model
 from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from rzero.model.qwen3_moe import Qwen3MoeForCausalLM
 from rzero.model.tokenizer import build_tokenizer
@@ -38,7 +39,7 @@ PRESETS: dict[str, tuple[type[Qwen3ForCausalLM], Qwen3Config]] = {
 }
 
 
-def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "fp32") -> Path:
+def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "fp32", overwrite: bool = False) -> Path:
     """Write a randomly initialised model directory with its tokenizer; returns its path."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -46,12 +47,9 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "fp
     model = cls(config)
     model.init_weights(seed)
     out_dir = Path(out_dir)
-    tok_dir = out_dir.parent / f".{out_dir.name}.tokenizer"
-    build_tokenizer(tok_dir, vocab_size=config.vocab_size)
-    try:
-        save_model(model, out_dir, extra_files_from=tok_dir, dtype=dtype)
-    finally:
-        import shutil
-
-        shutil.rmtree(tok_dir, ignore_errors=True)
+    check_output_dir(out_dir, overwrite)  # before any work, and before writing the tokenizer beside it
+    with tempfile.TemporaryDirectory() as tok_dir:
+        build_tokenizer(Path(tok_dir), vocab_size=config.vocab_size)
+        tokenizer_files = read_tokenizer_files(tok_dir)
+    save_model(model, out_dir, extra_files=tokenizer_files, dtype=dtype, overwrite=overwrite)
     return out_dir

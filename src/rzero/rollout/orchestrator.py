@@ -63,7 +63,6 @@ class LocalBackend:
         self.prompts_per_step, self.group_size, self.max_lag = prompts_per_step, group_size, max_lag
         self.sampling, self.seed, self.num_workers = sampling, seed, workers
         self.rollout_delay_s, self.weight_update_interval = rollout_delay_s, weight_update_interval
-        self.weight_loads = 0  # engine weight updates (each recomputes the K/V in flight)
         self.cond = threading.Condition()
         self.version = 0
         self.weights: dict[str, torch.Tensor] | None = None
@@ -78,6 +77,9 @@ class LocalBackend:
         self.in_flight: set[int] = set()
         self._partial: dict[int, dict[int, Rollout]] = {}  # in-flight groups' finished samples
         self.reward_failures = state.get("reward_failures", 0)
+        # Engine weight updates (each recomputes the K/V in flight); a resume continues the count.
+        self.weight_loads = state.get("weight_loads", 0)
+        self._loaded: dict[str, int] = {}  # worker thread name -> version its engine holds
         self.errors: list[BaseException] = []
         self._stop = False
         self._threads: list[threading.Thread] = []
@@ -129,6 +131,9 @@ class LocalBackend:
                 "next_group": self.next_group,
                 "dropped": self.dropped,
                 "reward_failures": self.reward_failures,
+                # A resumed worker loads the current version again first: leave out the loads of
+                # it that already happened, so the resumed count continues like an unbroken run.
+                "weight_loads": self.weight_loads - sum(v == self.version for v in self._loaded.values()),
                 "finished": {g: [asdict(r) for r in rs] for g, rs in self.finished.items()},
                 "in_flight": sorted(self.in_flight | set(self.restart)),
             }
@@ -186,6 +191,7 @@ class LocalBackend:
                 local_version = version
                 with self.cond:
                     self.weight_loads += 1
+                    self._loaded[threading.current_thread().name] = version
             for g in starts:
                 params = replace(self.sampling, n=self.group_size, seed=self.seed * 7919 + g)
                 runner.add(g, self.env.task(g), params)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import random
 import shutil
@@ -28,13 +29,13 @@ from rzero import ops
 from rzero.config import RunConfig, config_to_toml, load_config
 from rzero.engine import Engine, SamplingParams
 from rzero.envs import make_env as build_env
-from rzero.model.io import load_model, parse_dtype, save_model
+from rzero.model.io import load_model, parse_dtype, read_tokenizer_files, save_model
 from rzero.model.presets import init_model
 from rzero.model.tokenizer import load_tokenizer
 from rzero.ops import AttentionMeta
 from rzero.rollout.orchestrator import LocalBackend
 from rzero.train.losses import LossSettings
-from rzero.train.trainer import Trainer, TrainerSettings
+from rzero.train.trainer import Trainer, TrainerSettings, copy_grads_to_master
 
 
 
@@ -79,8 +80,7 @@ def warm_start(model, tokenizer, env, config: RunConfig, log=print) -> float:
         trainer_model.zero_grad(set_to_none=True)
         loss.backward()
         if trainer_model is not model:
-            for mp, cp in zip(model.parameters(), trainer_model.parameters()):
-                mp.grad = cp.grad.float()
+            copy_grads_to_master(model, trainer_model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if trainer_model is not model:
@@ -88,6 +88,11 @@ def warm_start(model, tokenizer, env, config: RunConfig, log=print) -> float:
                 for mp, cp in zip(model.parameters(), trainer_model.parameters()):
                     cp.copy_(mp)
         loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise RuntimeError(
+                f"warm start diverged at step {step + 1}/{ws.steps} (loss {loss_value}); "
+                f"lower warm_start.lr (now {ws.lr}) or set warm_start.steps = 0"
+            )
         if step % 50 == 0 or step == ws.steps - 1:
             log(f"warm start {step + 1}/{ws.steps}: loss {loss_value:.3f}")
     return loss_value
@@ -105,7 +110,9 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: Path, step: int, trainer: Trainer, backend: LocalBackend, tokenizer_dir: Path) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, trainer: Trainer, backend: LocalBackend, tokenizer_files: dict[str, bytes]
+) -> Path:
     """Write checkpoints/step_N completely, then point `latest` at it; keep the last two."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -114,7 +121,7 @@ def save_checkpoint(run_dir: Path, step: int, trainer: Trainer, backend: LocalBa
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        save_model(trainer.master, tmp / "model", extra_files_from=tokenizer_dir, dtype="fp32")
+        save_model(trainer.master, tmp / "model", extra_files=tokenizer_files, dtype="fp32")
         torch.save(trainer.state_dict(), tmp / "trainer.pt")
         torch.save(backend.state_dict(), tmp / "orchestrator.pt")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
@@ -133,11 +140,48 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    name = pointer.read_text().strip()
+    path = run_dir / "checkpoints" / name
+    return path if name and path.is_dir() else None
+
+
+def _checkpoints_newest_first(run_dir: Path) -> list[Path]:
+    steps = [p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Everything a resume needs from one checkpoint, fully loaded (so a damaged file shows here,
+    not halfway through the run). Raises ValueError naming the damaged file."""
+    state = {"model": load_model(path / "model", "fp32"), "tokenizer_files": read_tokenizer_files(path / "model")}
+    for key in ("trainer", "orchestrator", "rng"):
+        file = path / f"{key}.pt"
+        try:
+            state[key] = torch.load(file, weights_only=False)
+        except Exception as err:  # truncated or garbage pickles raise many different types
+            raise ValueError(f"{file}: cannot be read ({type(err).__name__}: {err})") from None
+    return state
+
+
+def find_resume_checkpoint(run_dir: Path, log=print) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads completely, falling back to older ones (saying so)."""
+    for path in _checkpoints_newest_first(run_dir):
+        try:
+            return path, load_checkpoint(path)
+        except (OSError, ValueError) as err:
+            log(f"checkpoint {path.name} is unusable ({err}); trying the previous one")
+    return None
 
 
 # ------------------------------------------------------------------------ run
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a torn or garbled line (a kill mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class MetricsLog:
@@ -145,8 +189,8 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         if keep_below_step is not None and self.path.exists():
             # On resume, drop steps after the checkpoint: they are computed again.
-            kept = [line for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [line for line in kept if json.loads(line)["step"] < keep_below_step]
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) is not None]
+            kept = [line for line in kept if _step_of(line) < keep_below_step]
             _atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self.file = open(self.path, "a")
         self.tb = None
@@ -191,7 +235,7 @@ def prepare_base_model(config: RunConfig, run_dir: Path, log=print) -> Path:
     if config.warm_start.steps:
         model = load_model(scratch, "fp32")
         warm_start(model, load_tokenizer(scratch), make_env(config), config, log=log)
-        save_model(model, base, extra_files_from=scratch, dtype="fp32")
+        save_model(model, base, extra_files=read_tokenizer_files(scratch), dtype="fp32")
         shutil.rmtree(scratch)
     else:
         os.replace(scratch, base)
@@ -199,9 +243,17 @@ def prepare_base_model(config: RunConfig, run_dir: Path, log=print) -> Path:
 
 
 def train(
-    config: RunConfig, run_dir: Path, *, resume: bool = False, progress: bool = True, env=None, log=print
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    overrides: list[str] | None = None,
+    progress: bool = True,
+    env=None,
+    log=print,
 ) -> Path:
-    """Run (or resume) RL training into run_dir. `env` overrides the configured environment."""
+    """Run (or resume) RL training into run_dir. `env` overrides the configured environment;
+    `overrides` (the --set strings of a resume) are recorded in run_dir/overrides.jsonl."""
     ops.set_numerics(config.model.numerics)
     if config.run.wandb:
         try:
@@ -209,9 +261,16 @@ def train(
         except ImportError:
             raise ValueError("run.wandb = true needs the wandb package (pip install wandb)") from None
     run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
+    found = find_resume_checkpoint(run_dir, log=log) if resume else None
+    checkpoint, saved = found if found is not None else (None, None)
+    if resume and checkpoint is None:
+        log(f"no intact checkpoint in {run_dir}: starting from step 0 (metrics of the lost steps are dropped)")
     if not resume:
         _atomic_write_text(run_dir / "config.toml", config_to_toml(config))
+    elif overrides:  # the record says what ran: overrides given on resume, with the step they apply from
+        step = 0 if saved is None else saved["trainer"]["version"]
+        with open(run_dir / "overrides.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "set": list(overrides)}) + "\n")
     torch.manual_seed(config.run.seed)
     random.seed(config.run.seed)
     dtype = parse_dtype(config.model.dtype)
@@ -219,10 +278,13 @@ def train(
     if checkpoint is not None:
         model_dir = checkpoint / "model"
         log(f"resuming from {checkpoint}")
+        master, tokenizer_files = saved["model"], saved["tokenizer_files"]
     else:
         model_dir = prepare_base_model(config, run_dir, log=log)
+        master = load_model(model_dir, "fp32")
+        # Held in memory: every checkpoint gets a complete copy, whatever happens to model_dir later.
+        tokenizer_files = read_tokenizer_files(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    master = load_model(model_dir, "fp32")
     t = config.train
     settings = TrainerSettings(
         lr=t.lr,
@@ -242,9 +304,9 @@ def train(
     trainer = Trainer(master, dtype, settings)
     orchestrator_state = None
     if checkpoint is not None:
-        trainer.load_state_dict(torch.load(checkpoint / "trainer.pt", weights_only=False))
-        orchestrator_state = torch.load(checkpoint / "orchestrator.pt", weights_only=False)
-        rng = torch.load(checkpoint / "rng.pt", weights_only=False)
+        trainer.load_state_dict(saved["trainer"])
+        orchestrator_state = saved["orchestrator"]
+        rng = saved["rng"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
     start_step = trainer.version
@@ -277,10 +339,11 @@ def train(
         rollout_delay_s=config.env.rollout_delay_s,
         state=orchestrator_state,
     )
-    metrics_log = MetricsLog(run_dir, config, keep_below_step=start_step if checkpoint is not None else None)
+    metrics_log = MetricsLog(run_dir, config, keep_below_step=start_step if resume else None)
     bar = _ProgressBar(t.steps, start_step) if progress else None
     backend.start(trainer.engine_state_dict(), trainer.version)
     stopped_because = None
+    consecutive_skips = 0
     try:
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
@@ -300,12 +363,21 @@ def train(
             m["time/step"] = now - t0
             m["tokens/s"] = m["train/completion_tokens"] / max(m["time/step"], 1e-9)
             m.update(backend.stats())
+            consecutive_skips = consecutive_skips + 1 if math.isnan(m["loss"]) else 0
+            m["train/consecutive_skips"] = float(consecutive_skips)
             metrics_log.write(m)
+            if consecutive_skips >= t.max_consecutive_skips:
+                stopped_because = (
+                    f"{consecutive_skips} updates in a row were skipped (non-finite loss or gradient) up to step "
+                    f"{step}: the run has diverged; resume from the last checkpoint with a lower train.lr "
+                    f"(train.max_consecutive_skips sets this limit)"
+                )
+                break
             if bar is not None:
                 bar.update(m)
             if (step + 1) % config.run.checkpoint_every == 0 or step + 1 == t.steps:
                 try:
-                    save_checkpoint(run_dir, step + 1, trainer, backend, model_dir)
+                    save_checkpoint(run_dir, step + 1, trainer, backend, tokenizer_files)
                 except OSError as err:
                     stopped_because = f"checkpoint at step {step + 1} failed ({err}); the previous checkpoint is intact"
                     break
@@ -346,22 +418,27 @@ class _ProgressBar:
 
 
 def main(args) -> int:
+    overrides = list(args.set or [])
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
     if args.resume:
         run_dir = Path(args.resume)
+        if args.config:
+            raise ValueError(
+                f"--resume {run_dir} uses the run's own config.toml; drop {args.config} "
+                "(change settings with --set, which is recorded in overrides.jsonl)"
+            )
         if not (run_dir / "config.toml").is_file():
             raise FileNotFoundError(f"{run_dir}: not a run directory (no config.toml)")
-        config = load_config(run_dir / "config.toml", args.set)
-        if args.steps is not None:
-            config.train.steps = args.steps
+        config = load_config(run_dir / "config.toml", overrides)
     else:
-        overrides = list(args.set or [])
-        if args.steps is not None:
-            overrides.append(f"train.steps={args.steps}")
         config = load_config(args.config, overrides)
         run_dir = Path(args.out) if args.out else new_run_dir()
-        if (run_dir / "metrics.jsonl").exists():
+        if (run_dir / "config.toml").exists():
             raise ValueError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
-    train(config, run_dir, resume=bool(args.resume))
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise ValueError(f"{run_dir}: exists and is not an empty directory; choose another --out")
+    train(config, run_dir, resume=bool(args.resume), overrides=overrides if args.resume else None)
     from rzero.train.report import write_report
 
     report = write_report(run_dir)

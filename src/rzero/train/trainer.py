@@ -72,6 +72,13 @@ class TrainerSettings:
     loss: LossSettings = field(default_factory=LossSettings)
 
 
+def copy_grads_to_master(master: torch.nn.Module, compute: torch.nn.Module) -> None:
+    """Hand the compute copy's gradients to the fp32 master parameters. A parameter that got no
+    gradient (an MoE expert no token was routed to) keeps none, so AdamW leaves it alone."""
+    for mp, cp in zip(master.parameters(), compute.parameters()):
+        mp.grad = None if cp.grad is None else cp.grad.float()
+
+
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     if warmup and step < warmup:
         return (step + 1) / warmup
@@ -194,8 +201,7 @@ class Trainer:
         grad_norm = float("nan")
         if finite:
             if self.compute is not self.master:
-                for mp, cp in zip(self.master.parameters(), self.compute.parameters()):
-                    mp.grad = None if cp.grad is None else cp.grad.float()
+                copy_grads_to_master(self.master, self.compute)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), s.grad_clip))
             finite = math.isfinite(grad_norm)
         if finite:
