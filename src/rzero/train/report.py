@@ -71,7 +71,8 @@ def write_report(run_dir: str | Path) -> Path:
     if any("mismatch/kernel_max_abs" in r for r in rows):
         kernel = max(r.get("mismatch/kernel_max_abs", 0.0) for r in rows)
         lines.append(f"- kernel-mismatch part of log w: max |.| over the run = {kernel!r}")
-    lines.append(f"- skipped updates: {int(rows[-1].get('train/skipped_updates', 0))}")
+    longest = int(max(r.get("train/consecutive_skips", 0) for r in rows))
+    lines.append(f"- skipped updates: {int(rows[-1].get('train/skipped_updates', 0))} (longest run in a row: {longest})")
     lines.append(f"- total time: {sum(r.get('time/step', 0) for r in rows):.1f} s")
     lines.append("")
     lines.extend(f"![{name}]({name}.png)" for name in images)

@@ -14,6 +14,7 @@ Run directory layout:
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
@@ -379,7 +380,10 @@ def train(
                 try:
                     save_checkpoint(run_dir, step + 1, trainer, backend, tokenizer_files)
                 except OSError as err:
-                    stopped_because = f"checkpoint at step {step + 1} failed ({err}); the previous checkpoint is intact"
+                    previous = latest_checkpoint(run_dir)
+                    kept = f"the previous checkpoint ({previous.name}) is intact" if previous else "no earlier checkpoint exists"
+                    what = "no space left on device" if err.errno == errno.ENOSPC else str(err)
+                    stopped_because = f"{what} while writing checkpoint step {step + 1} ({err}); {kept}"
                     break
     finally:
         backend.stop()
