@@ -238,7 +238,7 @@ def calculator(**options) -> Tool:
 
 
 def python_tool(**options) -> Tool:
-    """Runs code in rzero.envs.sandbox (rlimits, no network, no writes outside its own tmpdir)."""
+    """Runs code in rzero.envs.sandbox (limits, memory cgroup, namespaces; see its docstring)."""
     from rzero.envs.sandbox import run_python
 
     def run(code: str) -> str:
