@@ -170,9 +170,12 @@ def test_round_trip_fp32(preset, tiny_model_dirs, tmp_path):
     raw = read_config(tmp_path / "copy")
     assert raw["torch_dtype"] == "float32"
     assert raw == read_config(tiny_model_dirs[preset])
-    # Saving over an existing directory replaces it atomically, leaving no temporaries behind.
-    save_model(again, tmp_path / "copy")
+    # Saving over an existing model directory needs overwrite=True and leaves no temporaries behind.
+    with pytest.raises(ValueError, match="already holds a model"):
+        save_model(again, tmp_path / "copy")
+    save_model(again, tmp_path / "copy", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+    assert_same_params(model, load_model(tmp_path / "copy"))
 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
