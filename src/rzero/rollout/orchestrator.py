@@ -78,6 +78,7 @@ class LocalBackend:
         self.in_flight: set[int] = set()
         self._partial: dict[int, dict[int, Rollout]] = {}  # in-flight groups' finished samples
         self.reward_failures = state.get("reward_failures", 0)
+        self.grader_timeouts = state.get("grader_timeouts", 0)
         self.errors: list[BaseException] = []
         self._stop = False
         self._threads: list[threading.Thread] = []
@@ -129,6 +130,7 @@ class LocalBackend:
                 "next_group": self.next_group,
                 "dropped": self.dropped,
                 "reward_failures": self.reward_failures,
+                "grader_timeouts": self.grader_timeouts,
                 "finished": {g: [asdict(r) for r in rs] for g, rs in self.finished.items()},
                 "in_flight": sorted(self.in_flight | set(self.restart)),
             }
@@ -138,6 +140,7 @@ class LocalBackend:
             return {
                 "rollout/dropped_stale": float(self.dropped),
                 "rollout/reward_failures": float(self.reward_failures),
+                "reward/grader_timeouts": float(self.grader_timeouts),
                 "rollout/queued_groups": float(len(self.finished)),
                 "rollout/in_flight_groups": float(len(self.in_flight)),
                 "rollout/weight_loads": float(self.weight_loads),
@@ -213,6 +216,7 @@ class LocalBackend:
             members = self._partial[g]
             members[episode.sample] = rollout
             self.reward_failures += int(episode.failed)
+            self.grader_timeouts += int(episode.grader_timeout)
             if len(members) == self.group_size:
                 del self._partial[g]
                 self.in_flight.discard(g)
