@@ -215,8 +215,9 @@ class ScriptedEngine:
 
 
 def test_scripted_model_gives_exactly_the_expected_metrics(tmp_path, monkeypatch, tiny_dense_dir):
-    """Problem i of each benchmark gets c_i = i mod (n + 1) correct samples out of n, and the
-    samples that say "boom" make the env raise, so every metric is known in advance."""
+    """Problem i of each benchmark gets c_i = i mod (n + 1) correct samples out of n, the
+    samples that say "boom" make the env raise and the power towers make the grader give up, so
+    every metric is known in advance."""
     suite = tmp_path / "suite.toml"
     suite.write_text(
         f"[defaults]\nk = 2\nsamples = 4\n"
@@ -227,16 +228,19 @@ def test_scripted_model_gives_exactly_the_expected_metrics(tmp_path, monkeypatch
     script, seeds, expected = {}, {}, {}
     for plan in plans:
         n, texts = plan.sampling.samples, {}
-        correct, tokens, failures, at_k = 0, 0, 0, []
+        correct, tokens, failures, timeouts, at_k = 0, 0, 0, 0, []
         for i in range(plan.num_tasks):
             task = plan.env.task(i)
             right = task.answer + IM_END if plan.task == "arithmetic" else f"The answer is \\boxed{{{task.answer}}}."
             c = i % (n + 1)
             wrong = "boom" if plan.task == "arithmetic" and i % 5 == 1 else "no idea"
+            if plan.task == "math" and i % 2 == 0:
+                wrong = "\\boxed{9^{9^{9^{9}}}}"
             texts[task.prompt] = [right] * c + [wrong] * (n - c)
             correct += c
             tokens += sum(len(t) for t in texts[task.prompt])
             failures += (n - c) * (wrong == "boom")
+            timeouts += (n - c) * ("9^{9" in wrong)
             at_k.append(1 - Fraction(math.comb(n - c, 2), math.comb(n, 2)))
         script.update(texts)
         samples = plan.num_tasks * n
@@ -247,8 +251,10 @@ def test_scripted_model_gives_exactly_the_expected_metrics(tmp_path, monkeypatch
             "pass@k": float(sum(at_k) / len(at_k)),
             "mean_completion_tokens": tokens / samples,
             "reward_failures": failures,
+            "grader_timeouts": timeouts,
         }
     assert expected["sums"]["reward_failures"] > 0 and 0 < expected["algebra"]["pass@1"] < 1
+    assert expected["algebra"]["grader_timeouts"] > 0 and expected["sums"]["grader_timeouts"] == 0
 
     real_reward = ArithmeticEnv.reward
 
@@ -272,6 +278,7 @@ def test_scripted_model_gives_exactly_the_expected_metrics(tmp_path, monkeypatch
     assert average["pass@1"] == pytest.approx((expected["sums"]["pass@1"] + expected["algebra"]["pass@1"]) / 2)
     assert average["pass@k"] == pytest.approx((expected["sums"]["pass@k"] + expected["algebra"]["pass@k"]) / 2)
     assert average["k"] == 2 and average["reward_failures"] == expected["sums"]["reward_failures"]
+    assert average["grader_timeouts"] == expected["algebra"]["grader_timeouts"]
     assert f"{100 * average['pass@1']:.2f}" in out and f"{100 * expected['sums']['pass@k']:.2f}" in out
     # Each problem sampled with its own seed, derived from (seed, benchmark, index).
     for plan in plans:
@@ -282,6 +289,10 @@ def test_scripted_model_gives_exactly_the_expected_metrics(tmp_path, monkeypatch
     assert len(records) == 13 + 3
     boom = [s for r in records for s in r["samples"] if s["text"] == "boom"]
     assert boom and all(s["failed"] and s["reward"] == 0.0 and "scripted env failure" in s["error"] for s in boom)
+    towers = [s for r in records for s in r["samples"] if "9^{9" in s["text"]]
+    assert towers and all(s["grader_timeout"] and not s["failed"] and s["reward"] == 0.0 for s in towers)
+    assert sum(s["grader_timeout"] for r in records for s in r["samples"]) == len(towers)
+    assert "timeouts" in (tmp_path / "out" / "results.md").read_text()
 
 
 # ----------------------------------------------------- tiny model, end to end

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rzero.envs.grading import DEFAULT_TIMEOUT_S as DEFAULT_GRADER_TIMEOUT_S
 from rzero.envs.math import DEFAULT_PROMPT_TEMPLATE
 
 LossName = Literal["reinforce_is", "ppo_clip", "tis", "icepop", "seq_is", "on_policy"]
@@ -58,7 +59,7 @@ class ToolSection(Section):
 # Which env keys belong to which environment (the rest apply to all).
 _ENV_KEYS = {
     "arithmetic": {"digits", "operations"},
-    "math": {"data", "question_key", "answer_key", "answer_pattern", "prompt_template"},
+    "math": {"data", "question_key", "answer_key", "answer_pattern", "prompt_template", "grader_timeout_s"},
     "tool_calc": {"digits", "max_turns", "tool_fraction", "show_tools", "tools"},
 }
 
@@ -73,6 +74,9 @@ class EnvSection(Section):
     answer_key: str = "answer"
     answer_pattern: str = ""  # a regex with one group; empty: the last \boxed{...}
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    # Wall-clock seconds one symbolic comparison may take before its worker process is killed and
+    # the answer scores 0 (counted in reward/grader_timeouts); see rzero.envs.grading.
+    grader_timeout_s: float = Field(DEFAULT_GRADER_TIMEOUT_S, gt=0, le=600)
     # tool_calc
     max_turns: int = Field(3, ge=1)
     tool_fraction: float = Field(0.25, ge=0, le=1)  # warm-start answers that go through the tool

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rzero.envs.base import Env, Reference, Task
+from rzero.envs.base import Env, GraderTimeout, Reference, Task
 
 
 def make_env(section, seed: int = 0) -> Env:
@@ -20,6 +20,7 @@ def make_env(section, seed: int = 0) -> Env:
             answer_key=section.answer_key,
             answer_pattern=section.answer_pattern or None,
             prompt_template=section.prompt_template,
+            grader_timeout_s=section.grader_timeout_s,
             seed=seed,
         )
     if section.name == "tool_calc":
@@ -46,4 +47,4 @@ def make_env(section, seed: int = 0) -> Env:
     raise ValueError(f"unknown env {section.name!r}")
 
 
-__all__ = ["Env", "Reference", "Task", "make_env"]
+__all__ = ["Env", "GraderTimeout", "Reference", "Task", "make_env"]

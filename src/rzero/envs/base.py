@@ -13,7 +13,9 @@ whose environment tokens are masked out of the loss.
 A single-turn environment implements `task` and `reward`; a multi-turn one also `respond` (and
 sets `max_turns`). `respond` is a coroutine: it may wait on I/O (a slow tool, a remote service)
 for as long as it likes without holding up the generation of other rollouts. `reward` may be a
-plain function (it runs on a worker thread) or a coroutine. See docs/environments.md.
+plain function (it runs on a worker thread) or a coroutine. A reward that gives up on an answer
+too costly to grade raises `GraderTimeout`: the episode scores 0 and is counted as a grader
+timeout, not as a failure. See docs/environments.md.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class Task:
     prompt: str  # the text the model continues, chat markup included
     answer: str  # the reference answer the reward compares against
     info: dict[str, Any] = field(default_factory=dict, compare=False)  # anything else the env needs
+
+
+class GraderTimeout(Exception):
+    """Raised by `reward` when grading was cut off (too slow, too big): reward 0, counted."""
 
 
 # A supervised warm-start target: plain text (all of it trained on), or segments of

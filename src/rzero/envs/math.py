@@ -6,10 +6,9 @@ run regenerates exactly the same prompts without carrying an RNG across the chec
 
 A single-turn ``Env``: ``task(index)``, ``reference(task)``, ``reward(task, completion)``.
 
-math-verify's default timeouts use ``signal.alarm``, which only works in the main thread; the
-orchestrator scores from worker threads, so every call here passes ``parsing_timeout=None`` /
-``timeout_seconds=None``. To bound the cost of pathological inputs without timeouts, the
-extracted answer is capped at ``MAX_ANSWER_CHARS`` characters (longer answers score 0).
+Grading is bounded (rzero.envs.grading): symbolic comparisons run in worker processes with a
+timeout (``grader_timeout_s``) and a memory limit, so a short pathological answer such as
+``9^{9^{9^{9}}}`` scores 0 within the timeout instead of hanging the run.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from rzero.envs.base import Env, Task
+from rzero.envs.base import Env, GraderTimeout, Task
+from rzero.envs.grading import DEFAULT_TIMEOUT_S, grade
 from rzero.model.tokenizer import IM_END
 
 DEFAULT_PROMPT_TEMPLATE = "{question}\nPut the final answer in \\boxed{{}}."
-MAX_ANSWER_CHARS = 512
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 
@@ -46,31 +45,13 @@ def extract_boxed(text: str) -> str | None:
     return found
 
 
-def _parse(expr: str):
-    from math_verify import parse
-
-    # Boxing makes the LaTeX extractor take the whole expression (plain numbers and 1/2 too).
-    return parse("\\boxed{" + expr + "}", parsing_timeout=None, raise_on_error=False)
-
-
-@lru_cache(maxsize=65536)
-def _parse_gold(answer: str):
-    return _parse(answer)
-
-
-def answers_match(reference: str, candidate: str) -> bool:
-    """True when math-verify judges ``candidate`` equal to ``reference``; never raises."""
-    from math_verify import verify
-
+def answers_match(reference: str, candidate: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """True when math-verify judges ``candidate`` equal to ``reference``; whatever the answer, it
+    neither raises nor runs much longer than ``timeout_s`` (an answer the grader gives up on is no
+    match)."""
     try:
-        if len(candidate) > MAX_ANSWER_CHARS:
-            return False
-        gold = _parse_gold(reference)
-        pred = _parse(candidate)
-        if not gold or not pred:
-            return False
-        return bool(verify(gold, pred, timeout_seconds=None, raise_on_error=False))
-    except Exception:  # garbage in, zero reward out: a scorer must never kill a rollout worker
+        return grade(reference, candidate, timeout_s)
+    except GraderTimeout:
         return False
 
 
@@ -128,6 +109,7 @@ class MathEnv(Env):
         answer_key: str = "answer",
         answer_pattern: str | None = None,
         prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+        grader_timeout_s: float = DEFAULT_TIMEOUT_S,
         seed: int = 0,
     ):
         self.path = Path(path)
@@ -153,7 +135,9 @@ class MathEnv(Env):
             prompt_template.format(question="")
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(f"bad prompt_template {prompt_template!r}: only {{question}} is available ({e})") from e
-        self.prompt_template, self.seed = prompt_template, seed
+        if not grader_timeout_s > 0:
+            raise ValueError(f"grader_timeout_s must be > 0, got {grader_timeout_s!r}")
+        self.prompt_template, self.grader_timeout_s, self.seed = prompt_template, grader_timeout_s, seed
         self._order = lru_cache(maxsize=4)(self._epoch_order)
 
     def __len__(self) -> int:
@@ -187,11 +171,12 @@ class MathEnv(Env):
         return found.strip() if found is not None else None
 
     def reward(self, task: Task, completion: str) -> float:
-        """1.0 when the extracted answer is mathematically equal to the reference, else 0.0."""
+        """1.0 when the extracted answer is mathematically equal to the reference, else 0.0;
+        GraderTimeout when grading it was cut off (the episode runner scores that 0 and counts it)."""
         try:
             answer = self.extract_answer(completion)
         except Exception:
             return 0.0
         if not answer:
             return 0.0
-        return 1.0 if answers_match(task.answer, answer) else 0.0
+        return 1.0 if grade(task.answer, answer, self.grader_timeout_s) else 0.0

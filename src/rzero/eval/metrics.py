@@ -22,6 +22,7 @@ class Sample:
     finish_reason: str | None
     failed: bool  # the env raised while stepping or scoring: reward 0
     error: str | None = None
+    grader_timeout: bool = False  # the grader gave up on the answer: reward 0
 
     @property
     def correct(self) -> bool:
@@ -65,6 +66,7 @@ def benchmark_metrics(problems: list[Problem], k: int) -> dict[str, float | int]
         "mean_reward": sum(s.reward for s in samples) / len(samples),
         "mean_completion_tokens": sum(s.tokens for s in samples) / len(samples),
         "reward_failures": sum(s.failed for s in samples),
+        "grader_timeouts": sum(s.grader_timeout for s in samples),
     }
 
 
@@ -82,4 +84,5 @@ def average_metrics(per_benchmark: list[dict]) -> dict[str, float | int | None]:
         # Averaging pass@k over different k would mix different quantities.
         "pass@k": sum(m["pass@k"] for m in per_benchmark) / count if k is not None else None,
         "reward_failures": sum(m["reward_failures"] for m in per_benchmark),
+        "grader_timeouts": sum(m["grader_timeouts"] for m in per_benchmark),
     }

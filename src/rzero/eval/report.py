@@ -19,10 +19,11 @@ from rzero.train.run import _atomic_write_text  # temp file, fsync, rename
 if TYPE_CHECKING:
     from rzero.eval.run import BenchmarkResult
 
-HEADER = ["benchmark", "problems", "n", "k", "pass@1", "pass@k", "tokens", "failures"]
+HEADER = ["benchmark", "problems", "n", "k", "pass@1", "pass@k", "tokens", "failures", "timeouts"]
 LEGEND = (
     "pass@1, pass@k in %; n: samples per problem; tokens: mean completion tokens per sample; "
-    "failures: samples whose env raised (scored 0); average: unweighted mean over benchmarks"
+    "failures: samples whose env raised (scored 0); timeouts: samples whose grader gave up (scored 0); "
+    "average: unweighted mean over benchmarks"
 )
 
 
@@ -43,10 +44,11 @@ def table_rows(results: list[BenchmarkResult], average: dict) -> list[list[str]]
             _percent(m["pass@k"]),
             f"{m['mean_completion_tokens']:.1f}",
             str(m["reward_failures"]),
+            str(m["grader_timeouts"]),
         ])
     k = "-" if average["k"] is None else str(average["k"])
     rows.append(["average", str(average["problems"]), "", k, _percent(average["pass@1"]),
-                 _percent(average["pass@k"]), "", str(average["reward_failures"])])
+                 _percent(average["pass@k"]), "", str(average["reward_failures"]), str(average["grader_timeouts"])])
     return rows
 
 

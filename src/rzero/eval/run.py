@@ -59,7 +59,13 @@ def run_benchmark(
     def finished(episode: Episode) -> None:  # on the loop thread
         nonlocal remaining
         sample = Sample(
-            episode.text, episode.reward, sum(episode.mask), episode.finish_reason, episode.failed, episode.error
+            episode.text,
+            episode.reward,
+            sum(episode.mask),
+            episode.finish_reason,
+            episode.failed,
+            episode.error,
+            episode.grader_timeout,
         )
         problems[episode.key].samples[episode.sample] = sample
         remaining -= 1

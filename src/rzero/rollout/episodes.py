@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rzero.engine import Engine, SamplingParams
-from rzero.envs.base import Task
+from rzero.envs.base import GraderTimeout, Task
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Episode:
     finish_reason: str | None = None  # the engine's reason for the last turn, or "context" / "env_error"
     reward: float = 0.0
     failed: bool = False  # env.respond or env.reward raised: reward 0, counted by the caller
+    grader_timeout: bool = False  # env.reward gave up grading (GraderTimeout): reward 0, counted
     error: str | None = None
 
 
@@ -210,6 +211,8 @@ class EpisodeRunner:
                     episode.reward = float(await self.env.reward(episode.task, episode.text))
                 else:
                     episode.reward = float(await asyncio.to_thread(self.env.reward, episode.task, episode.text))
+        except GraderTimeout:
+            episode.reward, episode.grader_timeout = 0.0, True
         except Exception as err:
             self._fail(episode, "env.reward", err)
         self.on_finished(episode)

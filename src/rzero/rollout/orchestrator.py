@@ -80,6 +80,7 @@ class LocalBackend:
         # Engine weight updates (each recomputes the K/V in flight); a resume continues the count.
         self.weight_loads = state.get("weight_loads", 0)
         self._loaded: dict[str, int] = {}  # worker thread name -> version its engine holds
+        self.grader_timeouts = state.get("grader_timeouts", 0)
         self.errors: list[BaseException] = []
         self._stop = False
         self._threads: list[threading.Thread] = []
@@ -134,6 +135,7 @@ class LocalBackend:
                 # A resumed worker loads the current version again first: leave out the loads of
                 # it that already happened, so the resumed count continues like an unbroken run.
                 "weight_loads": self.weight_loads - sum(v == self.version for v in self._loaded.values()),
+                "grader_timeouts": self.grader_timeouts,
                 "finished": {g: [asdict(r) for r in rs] for g, rs in self.finished.items()},
                 "in_flight": sorted(self.in_flight | set(self.restart)),
             }
@@ -143,6 +145,7 @@ class LocalBackend:
             return {
                 "rollout/dropped_stale": float(self.dropped),
                 "rollout/reward_failures": float(self.reward_failures),
+                "reward/grader_timeouts": float(self.grader_timeouts),
                 "rollout/queued_groups": float(len(self.finished)),
                 "rollout/in_flight_groups": float(len(self.in_flight)),
                 "rollout/weight_loads": float(self.weight_loads),
@@ -219,6 +222,7 @@ class LocalBackend:
             members = self._partial[g]
             members[episode.sample] = rollout
             self.reward_failures += int(episode.failed)
+            self.grader_timeouts += int(episode.grader_timeout)
             if len(members) == self.group_size:
                 del self._partial[g]
                 self.in_flight.discard(g)
