@@ -17,7 +17,7 @@ Z = 5.0
 
 def grad_of(name: str, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     logp = torch.tensor(LOGP, requires_grad=True)
-    loss, _ = policy_loss(logp, torch.tensor(MU), torch.tensor(ADV), torch.tensor(SEQ), Z, LossSettings(name, **kw))
+    loss = policy_loss(logp, torch.tensor(MU), torch.tensor(ADV), torch.tensor(SEQ), Z, LossSettings(name, **kw))
     loss.backward()
     return loss.detach(), logp.grad
 
@@ -77,7 +77,7 @@ def test_ppo_clip_gradient_and_clipping():
 @pytest.mark.parametrize("name", LOSSES)
 def test_every_loss_equals_reinforce_on_policy_at_ratio_one(name):
     logp = torch.tensor(LOGP, requires_grad=True)
-    loss, _ = policy_loss(logp, torch.tensor(LOGP), torch.tensor(ADV), torch.tensor(SEQ), Z, LossSettings(name))
+    loss = policy_loss(logp, torch.tensor(LOGP), torch.tensor(ADV), torch.tensor(SEQ), Z, LossSettings(name))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([-a / Z for a in ADV]), atol=1e-7)
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rzero.model.io import DTYPE_NAMES
+from rzero.model.presets import PRESETS
+from rzero.ops import NUMERICS_MODES
+
 
 def _init_model(args: argparse.Namespace) -> int:
     from rzero.model.presets import init_model
@@ -21,13 +25,13 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rzero.train.run import main as train_main
+    from rzero.run.loop import main as train_main
 
     return train_main(args)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from rzero.train.report import write_report
+    from rzero.run.report import write_report
 
     print(f"wrote {write_report(args.run_dir)}")
     return 0
@@ -50,17 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("init-model", help="write a tiny randomly initialised model directory")
-    p.add_argument("--preset", required=True, choices=["tiny-dense", "tiny-moe"])
+    p.add_argument("--preset", required=True, choices=list(PRESETS))
     p.add_argument("--out", required=True, help="model directory to create")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the saved weights")
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help="dtype of the saved weights")
     p.add_argument("--force", action="store_true", help="overwrite the model files of an existing model directory")
     p.set_defaults(func=_init_model)
 
     p = sub.add_parser("check", help="run the alignment checklist C0-C10 against a model directory")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--numerics", default="invariant", choices=["invariant", "standard"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--numerics", default="invariant", choices=NUMERICS_MODES)
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_check)
@@ -87,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="nucleus sampling threshold (overrides the suite)")
     p.add_argument("--max-tokens", type=int, help="most tokens generated per model turn (overrides the suite)")
     p.add_argument("--limit", type=int, help="at most this many problems per benchmark (a quick look)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--numerics", default="invariant", choices=["invariant", "standard"])
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
+    p.add_argument("--numerics", default="invariant", choices=NUMERICS_MODES)
     p.add_argument("--seed", type=int, default=0, help="seed from which every problem's sampling seed is derived")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
     p.set_defaults(func=_eval)
@@ -97,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--numerics", default="invariant", choices=["invariant", "standard"])
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
+    p.add_argument("--numerics", default="invariant", choices=NUMERICS_MODES)
     p.add_argument("--served-model-name", help="model name clients ask for (default: the directory's name)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")

@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import json
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rzero.envs import ENV_KEYS, ENV_NAMES
 from rzero.envs.grading import DEFAULT_TIMEOUT_S as DEFAULT_GRADER_TIMEOUT_S
 from rzero.envs.math import DEFAULT_PROMPT_TEMPLATE
+from rzero.files import read_toml
+from rzero.model.io import DTYPE_NAMES
+from rzero.model.presets import PRESETS
+from rzero.ops import NUMERICS_MODES
+from rzero.train.losses import LOSSES
 
-LossName = Literal["reinforce_is", "ppo_clip", "tis", "icepop", "seq_is", "on_policy"]
+# The choices are the constants the code itself validates against (and the CLI offers).
+LossName = Literal[LOSSES]
+DtypeName = Literal[DTYPE_NAMES]
+PresetName = Literal[tuple(PRESETS)]
+NumericsMode = Literal[NUMERICS_MODES]
+EnvName = Literal[ENV_NAMES]
 
 
 class Section(BaseModel):
@@ -25,9 +37,9 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     path: str = ""  # a Hugging Face model directory; empty: build `preset` and warm-start it
-    preset: Literal["tiny-dense", "tiny-moe"] = "tiny-dense"
-    dtype: Literal["fp32", "bf16"] = "bf16"
-    numerics: Literal["invariant", "standard"] = "invariant"
+    preset: PresetName = "tiny-dense"
+    dtype: DtypeName = "bf16"
+    numerics: NumericsMode = "invariant"
 
 
 class WarmStartSection(Section):
@@ -56,16 +68,8 @@ class ToolSection(Section):
         return self
 
 
-# Which env keys belong to which environment (the rest apply to all).
-_ENV_KEYS = {
-    "arithmetic": {"digits", "operations"},
-    "math": {"data", "question_key", "answer_key", "answer_pattern", "prompt_template", "grader_timeout_s"},
-    "tool_calc": {"digits", "max_turns", "tool_fraction", "show_tools", "tools"},
-}
-
-
 class EnvSection(Section):
-    name: Literal["arithmetic", "math", "tool_calc"] = "arithmetic"
+    name: EnvName = "arithmetic"
     digits: int = Field(1, ge=1, le=6)  # arithmetic and tool_calc: digits of each operand
     operations: list[Literal["+", "-", "*"]] = ["+"]  # arithmetic
     # math: a JSONL or Parquet file of question/answer rows
@@ -86,7 +90,7 @@ class EnvSection(Section):
 
     @model_validator(mode="after")
     def _keys_of_this_env(self) -> EnvSection:
-        foreign = set().union(*_ENV_KEYS.values()) - _ENV_KEYS[self.name]
+        foreign = set().union(*ENV_KEYS.values()) - ENV_KEYS[self.name]
         defaults = EnvSection.model_construct()
         changed = sorted(k for k in foreign if getattr(self, k) != getattr(defaults, k))
         if changed:
@@ -99,8 +103,7 @@ class EnvSection(Section):
 
 
 class RolloutSection(Section):
-    mode: Literal["async", "sync"] = "async"
-    max_lag: int = Field(2, ge=0)
+    max_lag: int = Field(2, ge=0)  # 0: the synchronous baseline
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(8, ge=1)
@@ -117,9 +120,7 @@ class RolloutSection(Section):
     weight_update_interval: int = Field(1, ge=1)
 
     @model_validator(mode="after")
-    def _sync_has_no_lag(self) -> RolloutSection:
-        if self.mode == "sync" and self.max_lag != 0:
-            raise ValueError("rollout.mode = 'sync' requires rollout.max_lag = 0")
+    def _updates_within_lag(self) -> RolloutSection:
         if self.weight_update_interval > max(1, self.max_lag):
             raise ValueError(
                 f"rollout.weight_update_interval ({self.weight_update_interval}) must be <= max(1, max_lag) "
@@ -138,6 +139,7 @@ class TrainSection(Section):
     warmup_steps: int = Field(10, ge=0)
     schedule: Literal["constant", "cosine"] = "cosine"
     micro_batch_tokens: int = Field(4096, ge=1)
+    gradient_checkpointing: bool = False  # recompute each layer in backward: less memory, more time
     advantage_std_norm: bool = False
     leave_one_out: bool = False
     # Controls: ppo_clip epsilon, tis truncation C, icepop band [alpha, beta]
@@ -195,14 +197,15 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def read_toml(path: Path, error: type[Exception] = ValueError, what: str = "config file") -> dict[str, Any]:
-    """A TOML file's tables; `error` names a missing file or bad TOML."""
-    if not path.is_file():
-        raise error(f"{what} {path} does not exist")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise error(f"{path}: not valid TOML ({err})") from None
+def _drop_removed_keys(data: dict[str, Any]) -> None:
+    """Keys older versions wrote into run configs: accepted (so old runs resume) when they agree
+    with today's meaning, and dropped."""
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and "mode" in rollout:
+        mode = rollout.pop("mode")
+        if mode == "sync" and rollout.get("max_lag", RolloutSection.model_fields["max_lag"].default) != 0:
+            raise ConfigError("rollout.mode = 'sync' (a removed key) requires rollout.max_lag = 0; set max_lag = 0 instead")
+        warnings.warn("rollout.mode is no longer used and was ignored: rollout.max_lag = 0 is the synchronous baseline", stacklevel=3)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -223,6 +226,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         node[name] = _parse_value(value.strip())
     if overrides:
         source += " with --set " + " ".join(overrides)
+    _drop_removed_keys(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -1,4 +1,4 @@
-"""The alignment checklist C0-C10 (BRIEF §4): `rzero check`, or `run_checks(...)` from Python."""
+"""The alignment checklist C0-C10 (docs/checklist.md): `rzero check`, or `run_checks(...)` from Python."""
 
 from rzero.check.checklist import CHECKS, CheckResult, run_checks
 

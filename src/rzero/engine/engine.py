@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from rzero import ops
 from rzero.engine.block_manager import BlockManager, block_hash
 from rzero.engine.sequence import RequestOutput, SamplingParams, Sequence, Status, StepOutput
 from rzero.model.io import load_model, parse_dtype
 from rzero.model.qwen3 import Qwen3ForCausalLM
-from rzero.ops import ATTN_BLOCK, AttentionMeta
+from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, numerics as numerics_of
 
 Prompt = str | list[int]
 
@@ -38,6 +37,7 @@ class Engine:
         self,
         model: str | Path | Qwen3ForCausalLM,
         *,
+        numerics: str | Numerics = "invariant",
         dtype: str | torch.dtype = "fp32",
         tokenizer=None,
         kv_cache_bytes: int = 256 * 1024**2,
@@ -50,6 +50,7 @@ class Engine:
         seed: int = 0,
         version: int = 0,
     ):
+        self.numerics = numerics_of(numerics)
         if isinstance(model, (str, Path)):
             from rzero.model.tokenizer import load_tokenizer
 
@@ -60,6 +61,7 @@ class Engine:
             # trainer's fp32 weights into bf16, and sharing parameters would let the trainer's
             # optimizer change the engine's weights mid-generation without a new version.
             model = copy.deepcopy(model).to(parse_dtype(dtype))
+        model.numerics = self.numerics  # this engine's own copy: other engines keep their mode
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
@@ -280,7 +282,10 @@ class Engine:
                     logit_rows.append(len(ids) - 1)
                     samplers.append(seq)
             meta = AttentionMeta.build(
-                [n for _, n in batch], [s.num_computed for s, _ in batch], [s.block_table for s, _ in batch]
+                [n for _, n in batch],
+                [s.num_computed for s, _ in batch],
+                [s.block_table for s, _ in batch],
+                row_tile=self.numerics.row_tile,
             )
             hidden = self.model(torch.tensor(ids, dtype=torch.long), meta, self.kv_caches)
             for seq, n in batch:
@@ -310,7 +315,7 @@ class Engine:
             seq = rows[idx[0]][0]
             positions = [rows[i][1] for i in idx]
             targets = torch.tensor([seq.token_ids[p + 1] for p in positions])
-            lp = ops.transformed_logprobs(logits[idx], seq.transform).gather(1, targets[:, None])[:, 0]
+            lp = self.numerics.transformed_logprobs(logits[idx], seq.transform).gather(1, targets[:, None])[:, 0]
             for p, value in zip(positions, lp.tolist()):
                 seq.prompt_logprobs[p] = value
 
@@ -323,14 +328,14 @@ class Engine:
         if len(groups) == 1:
             # The usual case (one transform for the whole batch): no row gathers or scatters.
             (transform,) = groups
-            lp = ops.transformed_logprobs(logits, transform)
-            chosen = ops.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.generator for s in seqs])
+            lp = self.numerics.transformed_logprobs(logits, transform)
+            chosen = self.numerics.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.generator for s in seqs])
             return zip(seqs, chosen.tolist(), lp.gather(1, chosen[:, None])[:, 0].tolist(), _top_logprobs(seqs, lp))
         top: list[list[tuple[int, float]] | None] = [None] * len(seqs)
         for transform, rows in groups.items():
-            lp = ops.transformed_logprobs(logits[rows], transform)
+            lp = self.numerics.transformed_logprobs(logits[rows], transform)
             greedy = [transform.temperature == 0] * len(rows)
-            chosen = ops.sample_tokens(lp, greedy, [seqs[r].generator for r in rows])
+            chosen = self.numerics.sample_tokens(lp, greedy, [seqs[r].generator for r in rows])
             tokens[rows] = chosen
             logprobs[rows] = lp.gather(1, chosen[:, None])[:, 0]
             for r, alternatives in zip(rows, _top_logprobs([seqs[r] for r in rows], lp)):

@@ -2,49 +2,70 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rzero.envs.base import Env, GraderTimeout, Reference, Task
+
+
+def _arithmetic(section, seed: int) -> Env:
+    from rzero.envs.arithmetic import ArithmeticEnv
+
+    return ArithmeticEnv(section.digits, tuple(section.operations), seed=seed)
+
+
+def _math(section, seed: int) -> Env:
+    from rzero.envs.math import MathEnv
+
+    return MathEnv(
+        section.data,
+        question_key=section.question_key,
+        answer_key=section.answer_key,
+        answer_pattern=section.answer_pattern or None,
+        prompt_template=section.prompt_template,
+        grader_timeout_s=section.grader_timeout_s,
+        seed=seed,
+    )
+
+
+def _tool_calc(section, seed: int) -> Env:
+    from rzero.envs.tool_calc import ToolCalcEnv
+    from rzero.envs.tools import Latency, calculator, python_tool
+
+    builders = {"calculator": calculator, "python": python_tool}
+    tools = [
+        builders[name](
+            latency=Latency(t.latency, t.latency_s, t.latency_low_s, t.latency_high_s, t.latency_sigma),
+            failure_rate=t.failure_rate,
+            timeout_s=t.timeout_s,
+        )
+        for name, t in section.tools.items()
+    ]
+    return ToolCalcEnv(
+        (section.digits, section.digits),
+        tools,
+        max_turns=section.max_turns,
+        tool_fraction=section.tool_fraction,
+        show_tools=section.show_tools,
+        seed=seed,
+    )
+
+
+# The one registry of environments: name -> (builder, the [env] config keys it reads besides `name`
+# and the keys every env shares). rzero.config and the eval suites take their choices from here.
+ENVS: dict[str, tuple[Callable[..., Env], set[str]]] = {
+    "arithmetic": (_arithmetic, {"digits", "operations"}),
+    "math": (_math, {"data", "question_key", "answer_key", "answer_pattern", "prompt_template", "grader_timeout_s"}),
+    "tool_calc": (_tool_calc, {"digits", "max_turns", "tool_fraction", "show_tools", "tools"}),
+}
+ENV_NAMES = tuple(ENVS)
+ENV_KEYS = {name: keys for name, (_, keys) in ENVS.items()}
 
 
 def make_env(section, seed: int = 0) -> Env:
     """The environment an `[env]` config section describes (rzero.config.EnvSection)."""
-    if section.name == "arithmetic":
-        from rzero.envs.arithmetic import ArithmeticEnv
-
-        return ArithmeticEnv(section.digits, tuple(section.operations), seed=seed)
-    if section.name == "math":
-        from rzero.envs.math import MathEnv
-
-        return MathEnv(
-            section.data,
-            question_key=section.question_key,
-            answer_key=section.answer_key,
-            answer_pattern=section.answer_pattern or None,
-            prompt_template=section.prompt_template,
-            grader_timeout_s=section.grader_timeout_s,
-            seed=seed,
-        )
-    if section.name == "tool_calc":
-        from rzero.envs.tool_calc import ToolCalcEnv
-        from rzero.envs.tools import Latency, calculator, python_tool
-
-        builders = {"calculator": calculator, "python": python_tool}
-        tools = [
-            builders[name](
-                latency=Latency(t.latency, t.latency_s, t.latency_low_s, t.latency_high_s, t.latency_sigma),
-                failure_rate=t.failure_rate,
-                timeout_s=t.timeout_s,
-            )
-            for name, t in section.tools.items()
-        ]
-        return ToolCalcEnv(
-            (section.digits, section.digits),
-            tools,
-            max_turns=section.max_turns,
-            tool_fraction=section.tool_fraction,
-            show_tools=section.show_tools,
-            seed=seed,
-        )
-    raise ValueError(f"unknown env {section.name!r}")
+    if section.name not in ENVS:
+        raise ValueError(f"unknown env {section.name!r}; choose one of {', '.join(ENV_NAMES)}")
+    return ENVS[section.name][0](section, seed)
 
 
-__all__ = ["Env", "GraderTimeout", "Reference", "Task", "make_env"]
+__all__ = ["ENVS", "ENV_KEYS", "ENV_NAMES", "Env", "GraderTimeout", "Reference", "Task", "make_env"]

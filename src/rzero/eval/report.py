@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from rzero.train.run import _atomic_write_text  # temp file, fsync, rename
+from rzero.files import atomic_write_text
 
 if TYPE_CHECKING:
     from rzero.eval.run import BenchmarkResult
@@ -107,5 +107,5 @@ def write_results(out: Path, config: dict, results: list[BenchmarkResult], avera
         "results.md": results_markdown(config, results, average),
     }
     for name, text in files.items():
-        _atomic_write_text(out / name, text)
+        atomic_write_text(out / name, text)
     return [out / name for name in files]

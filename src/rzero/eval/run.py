@@ -23,7 +23,6 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from rzero import ops
 from rzero.engine import Engine, SamplingParams
 from rzero.eval.metrics import Problem, Sample, average_metrics, benchmark_metrics
 from rzero.eval.report import results_table, write_results
@@ -126,8 +125,7 @@ def main(args) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json)")
-    ops.set_numerics(args.numerics)
-    engine = Engine(model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    engine = Engine(model_dir, numerics=args.numerics, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed)
     results = evaluate(engine, plans, args.seed)
     average = average_metrics([r.metrics for r in results])
     config = {

@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from rzero.config import EnvSection, Section, read_toml
+from rzero.config import EnvSection, Section
+from rzero.files import read_toml
 from rzero.envs import make_env
 
 SYNTHETIC_TASKS = ("arithmetic", "tool_calc")  # generated problems: the suite says how many

@@ -15,12 +15,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from rzero.ops import Numerics
 from rzero.model.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[Qwen3ForCausalLM]] = {
     cls.architecture: cls for cls in (Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 }
 MODEL_TYPES = {cls.model_type: cls for cls in ARCHITECTURES.values()}
+DTYPE_NAMES = ("fp32", "bf16")  # what configs and the command line offer
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -29,7 +31,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose bf16 or fp32")
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
     return DTYPES[name]
 
 
@@ -66,12 +68,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "fp32") -> Qwen3ForCausalLM:
-    """Build the model a directory describes and load its weights, cast to dtype."""
+def load_model(
+    model_dir: str | Path, dtype: str | torch.dtype = "fp32", numerics: str | Numerics = "invariant"
+) -> Qwen3ForCausalLM:
+    """Build the model a directory describes and load its weights, cast to dtype; its forward
+    passes run the given numerics."""
     model_dir = Path(model_dir)
     raw = read_config(model_dir)
     cls = model_class(raw)
-    model = cls(Qwen3Config.from_hf(raw))
+    model = cls(Qwen3Config.from_hf(raw), numerics)
     model.hf_config = raw
     expected = {name: p for name, p in model.named_parameters()}  # tied weights appear once
     found: dict[str, torch.Tensor] = {}

@@ -1,8 +1,9 @@
 """Qwen3 dense decoder, one definition for the trainer and the engine.
 
 Parameter names follow the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`, ...)
-so safetensors files load without renaming. Every floating-point reduction goes through
-`rzero.ops`, which is what makes the trainer's and the engine's numbers equal bit for bit.
+so safetensors files load without renaming. Every floating-point reduction goes through the
+model's `numerics` (an `rzero.ops.Numerics`, handed down to each layer in the forward pass), which
+is what makes the trainer's and the engine's numbers equal bit for bit.
 
 The forward pass works on a flat list of tokens from any number of sequences, described by an
 `AttentionMeta`: whole sequences for the trainer, prompt chunks and decode steps for the engine.
@@ -17,8 +18,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rzero import ops
-from rzero.ops import ATTN_BLOCK, AttentionMeta
+from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics
+from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
 
@@ -90,19 +91,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        return nx.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
-    """A bias-free projection whose matmul goes through rzero.ops."""
+    """A bias-free projection whose matmul goes through the numerics' linear."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        return nx.linear(x, self.weight)
 
 
 class MLP(nn.Module):
@@ -112,8 +113,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        return self.down_proj(nx.silu_mul(self.gate_proj(x, nx), self.up_proj(x, nx)), nx)
 
 
 class Attention(nn.Module):
@@ -131,13 +132,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta, cache: KVCache | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMeta,
+        cache: KVCache | None,
+        nx: Numerics,
     ) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(rows, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        q = self.q_norm(self.q_proj(x, nx).view(rows, self.num_heads, self.head_dim), nx)
+        k = self.k_norm(self.k_proj(x, nx).view(rows, self.num_kv_heads, self.head_dim), nx)
+        v = self.v_proj(x, nx).view(rows, self.num_kv_heads, self.head_dim)
+        q, k = nx.apply_rotary(q, cos, sin), nx.apply_rotary(k, cos, sin)
         real = meta.num_tokens
         if cache is None:
             # Whole sequences (the trainer): a private cache built out of place, so autograd flows.
@@ -150,8 +157,8 @@ class Attention(nn.Module):
             k_cache, v_cache = cache
             k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k[:real])
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v[:real])
-        out = ops.attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        out = nx.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim), nx)
 
 
 class DecoderLayer(nn.Module):
@@ -166,10 +173,16 @@ class DecoderLayer(nn.Module):
         return MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta, cache: KVCache | None
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMeta,
+        cache: KVCache | None,
+        nx: Numerics,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(self.input_layernorm(h, nx), cos, sin, meta, cache, nx)
+        return h + self.mlp(self.post_attention_layernorm(h, nx), nx)
 
 
 class Backbone(nn.Module):
@@ -187,9 +200,12 @@ class Qwen3ForCausalLM(nn.Module):
     model_type = "qwen3"
     layer_cls: type[DecoderLayer] = DecoderLayer
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, numerics: str | Numerics = "invariant"):
         super().__init__()
         self.config = config
+        # The ops every forward pass of this model runs. Engines and trainers set it on their own
+        # copies (`Engine(numerics=...)`, `Trainer(numerics=...)`).
+        self.numerics = numerics_of(numerics)
         self.gradient_checkpointing = False  # recompute each layer in backward instead of storing it
         self.model = Backbone(config, self.layer_cls)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
@@ -215,6 +231,12 @@ class Qwen3ForCausalLM(nn.Module):
                 f"position {int(positions.max())} is beyond max_position_embeddings "
                 f"({self.config.max_position_embeddings})"
             )
+        nx = self.numerics
+        if meta.padded_tokens != -(-meta.num_tokens // nx.row_tile) * nx.row_tile:
+            raise ValueError(
+                f"AttentionMeta pads {meta.num_tokens} tokens to {meta.padded_tokens} rows, but {nx.mode} numerics "
+                f"pads to a multiple of {nx.row_tile}: build it with row_tile=model.numerics.row_tile"
+            )
         # Pad the token rows once, up front, to the numerics' row tile (see rzero.ops).
         ids = nn.functional.pad(input_ids, (0, meta.padded_tokens - meta.num_tokens))
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
@@ -223,14 +245,14 @@ class Qwen3ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             cache = None if kv_caches is None else kv_caches[i]
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, meta, cache, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, meta, cache, nx, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, meta, cache)
-        return self.model.norm(h)[: meta.num_tokens]
+                h = layer(h, cos, sin, meta, cache, nx)
+        return self.model.norm(h, nx)[: meta.num_tokens]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits in fp32 for the given rows of hidden states."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, self.numerics).float()
 
     def new_kv_caches(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, ATTN_BLOCK, self.config.num_key_value_heads, self.config.head_dim)

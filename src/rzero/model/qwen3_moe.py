@@ -2,7 +2,7 @@
 
 Checkpoint names follow Hugging Face: `mlp.gate.weight` is the router and
 `mlp.experts.{e}.{gate,up,down}_proj.weight` are the experts. Routing (softmax, top-k with a
-deterministic tie-break) and the weighted combine of the k expert outputs go through rzero.ops;
+deterministic tie-break) and the weighted combine of the k expert outputs go through the numerics;
 each expert's matmuls run on the rows routed to it, which the invariant matmul keeps independent
 of how many other tokens share that expert.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rzero import ops
 from rzero.model.qwen3 import MLP, DecoderLayer, Linear, Qwen3Config, Qwen3ForCausalLM
+from rzero.ops import Numerics
 
 
 class SparseMoeBlock(nn.Module):
@@ -25,17 +25,17 @@ class SparseMoeBlock(nn.Module):
             MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
         )
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (T, k) fp32, expert ids (T, k)) for each row of x."""
-        return ops.moe_route(self.gate(x), self.top_k, self.normalize)
+        return nx.moe_route(self.gate(x, nx), self.top_k, self.normalize)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
+    def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
+        weights, experts = self.route(x, nx)
         outputs = x.new_zeros(x.shape[0], self.top_k, x.shape[1])
         for e in torch.unique(experts).tolist():
             rows, slots = torch.where(experts == e)
-            outputs = outputs.index_put((rows, slots), self.experts[e](x[rows]))
-        return ops.moe_combine(outputs, weights)
+            outputs = outputs.index_put((rows, slots), self.experts[e](x[rows], nx))
+        return nx.moe_combine(outputs, weights)
 
 
 class MoeDecoderLayer(DecoderLayer):

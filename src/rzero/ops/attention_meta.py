@@ -47,7 +47,8 @@ class AttentionMeta:
         return all(n == 1 for n in self.q_lens)
 
     @classmethod
-    def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]]) -> AttentionMeta:
+    def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], *, row_tile: int) -> AttentionMeta:
+        """`row_tile`: the model's rows are padded to a multiple of it (`Numerics.row_tile`)."""
         if not (len(q_lens) == len(ctx_lens) == len(block_tables)):
             raise ValueError("q_lens, ctx_lens and block_tables must describe the same sequences")
         for i, (n, ctx, table) in enumerate(zip(q_lens, ctx_lens, block_tables)):
@@ -71,9 +72,7 @@ class AttentionMeta:
         q_positions = torch.zeros(num_seqs, max_q, dtype=torch.long)
         q_index[seq, offset] = torch.arange(total)
         q_positions[seq, offset] = pos
-        from rzero import ops
-
-        padded = ops.padded_rows(total)
+        padded = _round_up(total, row_tile)
         # Padding rows read the output of sequence 0's first query: finite, and never used.
         out_index = torch.cat((seq * max_q + offset, torch.zeros(padded - total, dtype=torch.long)))
         return cls(
@@ -91,7 +90,7 @@ class AttentionMeta:
         )
 
     @classmethod
-    def for_sequences(cls, lengths: list[int]) -> tuple[AttentionMeta, int]:
+    def for_sequences(cls, lengths: list[int], *, row_tile: int) -> tuple[AttentionMeta, int]:
         """Whole sequences with no prior cache (the trainer): consecutive private blocks.
 
         Returns the meta and the number of cache blocks the forward pass must allocate.
@@ -101,4 +100,4 @@ class AttentionMeta:
             count = _round_up(n, ATTN_BLOCK) // ATTN_BLOCK
             tables.append(list(range(next_block, next_block + count)))
             next_block += count
-        return cls.build(list(lengths), [0] * len(lengths), tables), next_block
+        return cls.build(list(lengths), [0] * len(lengths), tables, row_tile=row_tile), next_block

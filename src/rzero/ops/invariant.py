@@ -49,10 +49,6 @@ def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x2.contiguous(), rows
 
 
-def padded_rows(num_rows: int) -> int:
-    return num_rows + (-num_rows) % ROW_TILE
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2, rows = _pad_rows(x)
     tiles = x2.view(-1, ROW_TILE, x2.shape[-1])
@@ -212,7 +208,9 @@ def _buckets(meta: AttentionMeta) -> list[tuple[torch.Tensor, AttentionMeta]] | 
         for seqs in groups.values():
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
             tables = [meta.block_tables[i, : blocks[i]].tolist() for i in seqs]
-            sub = AttentionMeta.build([meta.q_lens[i] for i in seqs], [meta.ctx_lens[i] for i in seqs], tables)
+            sub = AttentionMeta.build(
+                [meta.q_lens[i] for i in seqs], [meta.ctx_lens[i] for i in seqs], tables, row_tile=ROW_TILE
+            )
             buckets.append((rows, sub))
     meta.__dict__["_invariant_buckets"] = buckets
     return buckets

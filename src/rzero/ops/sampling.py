@@ -4,7 +4,7 @@ The engine samples from `transformed_logprobs(logits, transform)`; the trainer s
 function on its own logits. Under trainer-inference invariance the logits are bitwise equal, so
 the truncation masks and the log-probabilities are too.
 
-Choices (BRIEF §2): temperature divides the fp32 logits; top-k keeps the k largest transformed
+Choices (docs/design.md, "Sampling transform"): temperature divides the fp32 logits; top-k keeps the k largest transformed
 logits (ties at the k-th value are all kept); top-p keeps the smallest prefix of the
 probability-sorted vocabulary (stable sort, so ties go to the lower token id) whose mass reaches
 top_p, always at least one token. The behaviour logprob is taken under that renormalised,
@@ -14,6 +14,7 @@ truncated distribution. Temperature 0 means greedy: the argmax token, scored und
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,10 +34,16 @@ class SamplingTransform:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
 
 
-def transformed_logprobs(logits: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
-    """(N, V) logits -> (N, V) fp32 log-probabilities of the distribution that is sampled."""
-    from rzero import ops
+class _Normalizers(Protocol):
+    """The two row normalisations of a numerics mode (`rzero.ops.Numerics` has them)."""
 
+    def softmax(self, x: torch.Tensor) -> torch.Tensor: ...
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def transformed_logprobs(ops: _Normalizers, logits: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
+    """(N, V) logits -> (N, V) fp32 log-probabilities of the distribution that is sampled, with the
+    softmax and log-softmax of the given numerics."""
     x = logits.float()
     if transform.temperature > 0 and transform.temperature != 1.0:
         x = x / transform.temperature

@@ -8,39 +8,27 @@ only while g < (version + max_lag + 1) * P + dropped, where version is the lates
 weight version: at most max_lag + 1 steps' worth of groups exist ahead of the trainer, which is
 also what keeps memory flat (back-pressure). The trainer takes finished groups oldest first and
 never trains on a token older than max_lag versions: a group that finished too late for that is
-dropped and counted (`rollout/dropped_stale`). `mode = "sync"` with max_lag = 0 is the synchronous
-baseline: P groups are sampled with version s, trained on at step s, and only then are the next
-P started.
+dropped and counted (`rollout/dropped_stale`). max_lag = 0 is the synchronous baseline: P groups
+are sampled with version s, trained on at step s, and only then are the next P started.
 
 Episodes may take several turns: a worker thread owns an engine and runs model turns; the
 environment's steps (tool calls, rewards) run on an asyncio loop (rollout/episodes.py), so slow
 tools never block generation.
 
-The trainer talks to a `RolloutBackend`; `LocalBackend` runs workers as threads in this process
-(the embedded default). A Ray backend can implement the same four methods.
+`LocalBackend` runs the workers as threads in the trainer's process (the embedded default).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, replace
-from typing import Protocol
+from dataclasses import replace
 
 import torch
 
 from rzero.engine import Engine, SamplingParams
-from rzero.ops import SamplingTransform
 from rzero.rollout.episodes import AsyncLoop, Episode, EpisodeRunner
-from rzero.train.trainer import Rollout
-
-
-class RolloutBackend(Protocol):
-    def start(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
-    def get_groups(self, step: int, count: int) -> list[list[Rollout]]: ...
-    def stop(self) -> None: ...
-    def state_dict(self) -> dict: ...
+from rzero.rollout.record import Rollout
 
 
 class LocalBackend:
@@ -70,7 +58,7 @@ class LocalBackend:
         self.next_group = state.get("next_group", 0)
         self.dropped = state.get("dropped", 0)
         self.finished: dict[int, list[Rollout]] = {
-            int(g): [_rollout_from_dict(r) for r in rs] for g, rs in state.get("finished", {}).items()
+            int(g): [Rollout.from_dict(r) for r in rs] for g, rs in state.get("finished", {}).items()
         }
         # Groups that were in flight when the checkpoint was taken: sampled again from scratch.
         self.restart: list[int] = sorted(state.get("in_flight", []))
@@ -136,7 +124,7 @@ class LocalBackend:
                 # it that already happened, so the resumed count continues like an unbroken run.
                 "weight_loads": self.weight_loads - sum(v == self.version for v in self._loaded.values()),
                 "grader_timeouts": self.grader_timeouts,
-                "finished": {g: [asdict(r) for r in rs] for g, rs in self.finished.items()},
+                "finished": {g: [r.to_dict() for r in rs] for g, rs in self.finished.items()},
                 "in_flight": sorted(self.in_flight | set(self.restart)),
             }
 
@@ -208,15 +196,13 @@ class LocalBackend:
         """Called on the env loop: collect the group; hand it over once all its samples are in."""
         g = episode.key
         rollout = Rollout(
-            g,
-            episode.prompt_ids,
-            episode.token_ids,
-            episode.logprobs,
-            episode.versions,
-            episode.reward,
-            self.sampling.transform,
-            episode.failed,
-            None if all(episode.mask) else episode.mask,
+            prompt_ids=episode.prompt_ids,
+            completion_ids=episode.token_ids,
+            logprobs=episode.logprobs,
+            versions=episode.versions,
+            reward=episode.reward,
+            transform=self.sampling.transform,
+            mask=None if all(episode.mask) else episode.mask,
         )
         with self.cond:
             members = self._partial[g]
@@ -228,9 +214,3 @@ class LocalBackend:
                 self.in_flight.discard(g)
                 self.finished[g] = [members[j] for j in range(self.group_size)]
             self.cond.notify_all()
-
-
-def _rollout_from_dict(d: dict) -> Rollout:
-    d = dict(d)
-    d["transform"] = SamplingTransform(**d["transform"]) if isinstance(d["transform"], dict) else d["transform"]
-    return Rollout(**d)

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rzero import ops
 from rzero.engine import Engine
 from rzero.serve.chat import create_chat_completion
 from rzero.serve.chat_template import ChatTemplate
@@ -37,7 +36,7 @@ def build_app(
     """The app; its lifespan starts and stops the thread that steps the engine. Request bodies
     past max_request_bytes are answered 413."""
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    serving = Serving(engine, model_name, chat_template, system_fingerprint=f"rzero-{ops.get_numerics()}-{dtype}")
+    serving = Serving(engine, model_name, chat_template, system_fingerprint=f"rzero-{engine.numerics.mode}-{dtype}")
     created = int(time.time())
 
     @asynccontextmanager
@@ -146,9 +145,10 @@ def main(args: argparse.Namespace) -> int:
 
     if not Path(args.model).is_dir():  # else the first file looked for would be named as missing
         raise FileNotFoundError(f"{args.model}: no such model directory")
-    ops.set_numerics(args.numerics)
     engine = Engine(
-        args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
+        args.model,
+        numerics=args.numerics,
+        dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
     )
     name = args.served_model_name or Path(args.model).resolve().name
     app = build_app(engine, name, ChatTemplate.from_model_dir(args.model), args.max_request_bytes)

@@ -24,15 +24,15 @@ LOSSES = ("reinforce_is", "ppo_clip", "tis", "icepop", "seq_is", "on_policy")
 
 @dataclass(frozen=True)
 class LossSettings:
-    name: str = "reinforce_is"
+    loss: str = "reinforce_is"  # one of LOSSES
     clip_eps: float = 0.2
     tis_cap: float = 2.0
     icepop_low: float = 0.5
     icepop_high: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"unknown loss {self.name!r}; choose one of {', '.join(LOSSES)}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
 
 
 def policy_loss(
@@ -42,16 +42,14 @@ def policy_loss(
     seq_index: torch.Tensor,
     normalizer: float,
     settings: LossSettings,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss summed over the given tokens and divided by `normalizer`; also returns the mask of
-    tokens that carried gradient (all ones except for icepop, and ppo_clip's clipped tokens).
+) -> torch.Tensor:
+    """Loss summed over the given tokens and divided by `normalizer`.
 
     logprobs: (N,) log π_θ with grad; behaviour_logprobs, advantages: (N,); seq_index: (N,)
     sample id of each token (for seq_is).
     """
     log_ratio = logprobs - behaviour_logprobs
-    active = torch.ones_like(logprobs, dtype=torch.bool)
-    name = settings.name
+    name = settings.loss
     if name == "reinforce_is":
         weight = torch.exp(log_ratio.detach())
         per_token = weight * advantages * logprobs
@@ -73,8 +71,7 @@ def policy_loss(
         unclipped = ratio * advantages
         clipped = ratio.clamp(1 - settings.clip_eps, 1 + settings.clip_eps) * advantages
         per_token = torch.minimum(unclipped, clipped)
-        active = unclipped <= clipped
-    return -per_token.sum() / normalizer, active
+    return -per_token.sum() / normalizer
 
 
 def group_advantages(rewards: torch.Tensor, leave_one_out: bool = False, std_norm: bool = False) -> torch.Tensor:

@@ -3,6 +3,10 @@
 fp32 master weights live in `master`; the forward runs in `compute`, a copy cast to the model
 dtype that is exactly what every engine holds at the same version (C1). Step s computes
 π with the weights of version s and publishes version s + 1.
+
+This is the only trainer in rzero: `token_logprobs` is the one teacher-forced scoring function,
+and every update (RL steps, the supervised warm start, the checklist's update) goes through
+`forward_backward` and the same optimizer step. `rzero check` runs these methods, not a copy.
 """
 
 from __future__ import annotations
@@ -10,49 +14,19 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from rzero import ops
 from rzero.model.qwen3 import Qwen3ForCausalLM
-from rzero.ops import AttentionMeta, SamplingTransform
+from rzero.ops import AttentionMeta, Numerics, SamplingTransform
+from rzero.ops import numerics as numerics_of
+from rzero.rollout.record import Rollout
 from rzero.train.losses import LossSettings, group_advantages, policy_loss
 
-
-@dataclass
-class Rollout:
-    """One finished sample, as the orchestrator hands it to the trainer."""
-
-    group: int  # index of its group (prompt) in start order
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]  # behaviour logprobs μ_t
-    versions: list[int]  # weight version that sampled each token
-    reward: float
-    transform: SamplingTransform = field(default_factory=SamplingTransform)
-    reward_failed: bool = False  # the reward function raised; reward was set to 0
-    # 1 where the model sampled the token, 0 where the environment wrote it (a tool response):
-    # environment tokens are context for the trainer, never actions. None: all sampled.
-    mask: list[int] | None = None
-
-    def policy_positions(self) -> list[int]:
-        """Indices (into completion_ids) of the tokens the model sampled."""
-        if self.mask is None:
-            return list(range(len(self.completion_ids)))
-        return [i for i, m in enumerate(self.mask) if m]
-
-    def policy_logprobs(self) -> list[float]:
-        return [self.logprobs[i] for i in self.policy_positions()]
-
-    def policy_versions(self) -> list[int]:
-        return [self.versions[i] for i in self.policy_positions()]
-
-    def num_turns(self) -> int:
-        """Model turns in the episode (runs of sampled tokens)."""
-        if self.mask is None:
-            return 1 if self.completion_ids else 0
-        return sum(1 for i, m in enumerate(self.mask) if m and (i == 0 or not self.mask[i - 1]))
+# loss_fn(micro_batch, its token logprobs) -> the micro-batch's share of the step's loss
+LossFn = Callable[[list[Rollout], list[torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -63,13 +37,24 @@ class TrainerSettings:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     schedule: str = "constant"
-    total_steps: int = 1
+    steps: int = 1  # the schedule's length
     micro_batch_tokens: int = 4096
+    gradient_checkpointing: bool = False  # recompute each layer in backward instead of storing it
     leave_one_out: bool = False
     advantage_std_norm: bool = False
-    decompose: bool = True
+    decompose: bool = True  # keep the last max_lag + 1 versions to split log w (diagnostics)
     max_lag: int = 0
-    loss: LossSettings = field(default_factory=LossSettings)
+    objective: LossSettings = field(default_factory=LossSettings)
+
+    @classmethod
+    def from_values(cls, values: Mapping) -> TrainerSettings:
+        """Settings from a mapping with these field names and more (e.g. the config's train
+        section merged with rollout.max_lag): each field of this class, and of LossSettings for
+        `objective`, takes the value of the same name; the other keys are ignored."""
+        pick = lambda c: {f.name: values[f.name] for f in fields(c) if f.name in values}  # noqa: E731
+        settings = pick(cls)
+        settings.pop("objective", None)
+        return cls(**settings, objective=LossSettings(**pick(LossSettings)))
 
 
 def copy_grads_to_master(master: torch.nn.Module, compute: torch.nn.Module) -> None:
@@ -89,16 +74,27 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 
 
 class Trainer:
-    def __init__(self, master: Qwen3ForCausalLM, dtype: torch.dtype, settings: TrainerSettings, version: int = 0):
+    def __init__(
+        self,
+        master: Qwen3ForCausalLM,
+        dtype: torch.dtype,
+        settings: TrainerSettings,
+        *,
+        numerics: str | Numerics = "invariant",
+        version: int = 0,
+    ):
         self.settings = settings
+        self.numerics = numerics_of(numerics)
         self.master = master.float().train()
+        self.master.numerics = self.numerics
         self.compute = self.master if dtype == torch.float32 else copy.deepcopy(self.master).to(dtype)
+        self.compute.gradient_checkpointing = settings.gradient_checkpointing
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda step: lr_factor(step, settings.warmup_steps, settings.total_steps, settings.schedule),
+            lambda step: lr_factor(step, settings.warmup_steps, settings.steps, settings.schedule),
         )
         self.version = version
         self.skipped_updates = 0
@@ -130,9 +126,10 @@ class Trainer:
 
     def token_logprobs(self, model: Qwen3ForCausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """log π(a_t) of every sampled completion token under `model`, one tensor per rollout
-        (environment tokens are in the context but not scored)."""
+        (environment tokens are in the context but not scored), under each rollout's sampling
+        transform. All rollouts are packed into one forward pass; grad mode is the caller's."""
         seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
-        meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
+        meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs], row_tile=model.numerics.row_tile)
         hidden = model(torch.tensor([t for s in seqs for t in s], dtype=torch.long), meta)
         positions = [r.policy_positions() for r in rollouts]
         rows, targets, offset = [], [], 0
@@ -143,19 +140,25 @@ class Trainer:
             offset += len(s)
         logits = model.logits(hidden[rows])
         target = torch.tensor(targets, dtype=torch.long)
+        sizes = [len(pos) for pos in positions]
+        transforms = {r.transform for r in rollouts}
+        if len(transforms) == 1:  # the usual case: one transform, no row gathers or scatters
+            picked = model.numerics.transformed_logprobs(logits, transforms.pop()).gather(1, target[:, None])[:, 0]
+            return list(picked.split(sizes))
         by_transform: dict[SamplingTransform, list[int]] = {}
         cursor = 0
-        for r, pos in zip(rollouts, positions):
-            by_transform.setdefault(r.transform, []).extend(range(cursor, cursor + len(pos)))
-            cursor += len(pos)
+        for r, n in zip(rollouts, sizes):
+            by_transform.setdefault(r.transform, []).extend(range(cursor, cursor + n))
+            cursor += n
         out = torch.empty(len(rows), dtype=torch.float32)
         for transform, idx in by_transform.items():
             idx_t = torch.tensor(idx, dtype=torch.long)
-            lp = ops.transformed_logprobs(logits[idx_t], transform)
+            lp = model.numerics.transformed_logprobs(logits[idx_t], transform)
             out[idx_t] = lp.gather(1, target[idx_t, None])[:, 0]
-        return list(out.split([len(pos) for pos in positions]))
+        return list(out.split(sizes))
 
-    def _micro_batches(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+    def micro_batches(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+        """Consecutive rollouts, at most micro_batch_tokens tokens per batch (at least one rollout)."""
         batches, current, tokens = [], [], 0
         for r in rollouts:
             n = len(r.prompt_ids) + len(r.completion_ids)
@@ -170,54 +173,73 @@ class Trainer:
 
     # -------------------------------------------------------------------- step
 
+    def forward_backward(
+        self, micro_batches: list[list[Rollout]], loss_fn: LossFn
+    ) -> tuple[float, list[torch.Tensor], bool]:
+        """Accumulate gradients on the compute copy, one micro-batch at a time: score it with
+        `token_logprobs` (autograd on), take `loss_fn` of it, backward. Stops at the first
+        non-finite loss. Returns (summed loss, detached token logprobs per rollout, all finite)."""
+        loss_total, logprobs = 0.0, []
+        for mb in micro_batches:
+            lps = self.token_logprobs(self.compute, mb)
+            loss = loss_fn(mb, lps)
+            if not torch.isfinite(loss):
+                return loss_total, logprobs, False
+            loss.backward()
+            loss_total += float(loss.detach())
+            logprobs.extend(x.detach() for x in lps)
+        return loss_total, logprobs, True
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.compute.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self) -> float:
+        """Hand the gradients to the fp32 master, clip them, and step AdamW when their norm is
+        finite. Returns the norm (NaN or inf: no step was taken)."""
+        if self.compute is not self.master:
+            copy_grads_to_master(self.master, self.compute)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.settings.grad_clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()  # the schedule counts updates actually taken
+        return grad_norm
+
+    def _next_version(self, took_step: bool) -> None:
+        """Publish version + 1 (the same weights again when the update was skipped)."""
+        if not took_step:
+            self.skipped_updates += 1
+        self.zero_grad()
+        self._sync_compute()
+        self.version += 1
+        self._remember_version()
+
     def train_step(self, groups: list[list[Rollout]]) -> dict[str, float]:
-        """One optimizer step on the given groups; publishes version + 1. Returns metrics."""
+        """One RL optimizer step on the given groups; publishes version + 1. Returns metrics."""
         s = self.settings
-        rollouts = [r for g in groups for r in g]
-        rollouts = [r for r in rollouts if r.completion_ids]
+        rollouts = [r for g in groups for r in g if r.completion_ids]
         advantages = {}
         for g in groups:
             adv = group_advantages(torch.tensor([r.reward for r in g]), s.leave_one_out, s.advantage_std_norm)
             advantages.update({id(r): float(a) for r, a in zip(g, adv)})
         num_tokens = sum(len(r.policy_positions()) for r in rollouts)
         normalizer = float(max(num_tokens, 1))
-        self.optimizer.zero_grad(set_to_none=True)
-        self.compute.zero_grad(set_to_none=True)
-        loss_total, trainer_lps, finite = 0.0, [], True
-        for mb in self._micro_batches(rollouts):
-            lps = self.token_logprobs(self.compute, mb)
-            lp = torch.cat(lps)
+
+        def loss_fn(mb: list[Rollout], lps: list[torch.Tensor]) -> torch.Tensor:
             mu = torch.tensor([x for r in mb for x in r.policy_logprobs()], dtype=torch.float32)
             adv = torch.tensor([advantages[id(r)] for r, x in zip(mb, lps) for _ in range(len(x))], dtype=torch.float32)
             seq_index = torch.tensor([i for i, x in enumerate(lps) for _ in range(len(x))], dtype=torch.long)
-            loss, _ = policy_loss(lp, mu, adv, seq_index, normalizer, s.loss)
-            if not torch.isfinite(loss):
-                finite = False
-                break
-            loss.backward()
-            loss_total += float(loss.detach())
-            trainer_lps.extend(x.detach() for x in lps)
-        metrics: dict[str, float] = {}
-        grad_norm = float("nan")
-        if finite:
-            if self.compute is not self.master:
-                copy_grads_to_master(self.master, self.compute)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), s.grad_clip))
-            finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()  # the schedule counts updates actually taken
-            metrics.update(self._diagnostics(rollouts, trainer_lps))
-        else:
-            self.skipped_updates += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.compute.zero_grad(set_to_none=True)
-        self._sync_compute()
-        self.version += 1
-        self._remember_version()
+            return policy_loss(torch.cat(lps), mu, adv, seq_index, normalizer, s.objective)
+
+        self.zero_grad()
+        loss_total, trainer_lps, finite = self.forward_backward(self.micro_batches(rollouts), loss_fn)
+        grad_norm = self._optimizer_step() if finite else float("nan")
+        took_step = math.isfinite(grad_norm)
+        metrics = self._diagnostics(rollouts, trainer_lps) if took_step else {}
+        self._next_version(took_step)
         metrics.update(
             {
-                "loss": loss_total if finite else float("nan"),
+                "loss": loss_total if took_step else float("nan"),
                 "grad_norm": grad_norm,
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "train/skipped_updates": float(self.skipped_updates),
@@ -225,6 +247,19 @@ class Trainer:
             }
         )
         return metrics
+
+    def supervised_step(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """One step of next-token cross-entropy on the sampled-token positions of `rollouts` (the
+        mean over those tokens); publishes version + 1. Returns loss and gradient norm."""
+        num_tokens = float(max(sum(len(r.policy_positions()) for r in rollouts), 1))
+        self.zero_grad()
+        loss, _, finite = self.forward_backward(
+            self.micro_batches(rollouts), lambda mb, lps: -torch.cat(lps).sum() / num_tokens
+        )
+        grad_norm = self._optimizer_step() if finite else float("nan")
+        took_step = math.isfinite(grad_norm)
+        self._next_version(took_step)
+        return {"loss": loss if took_step else float("nan"), "grad_norm": grad_norm}
 
     # ------------------------------------------------------------- diagnostics
 

@@ -1,14 +1,12 @@
-"""`rzero train`: a whole run — model, warm start, async RL loop, metrics, checkpoints, resume.
+"""The run loop: model, warm start, async RL steps, metrics, checkpoints, resume.
 
 Run directory layout:
   config.toml          the resolved config (numerics mode included)
-  metrics.jsonl        one JSON object per trainer step (BRIEF §3 names)
+  overrides.jsonl      `--set` overrides given on resume, with the step they apply from
+  metrics.jsonl        one JSON object per trainer step (metric names: docs/design.md)
   tb/                  TensorBoard events
   base_model/          the starting model (after the warm start, when one was built)
-  checkpoints/step_N/  model/ (HF format: safetensors + config + tokenizer, fp32 master weights),
-                       trainer.pt (optimizer, scheduler, ring buffer), orchestrator.pt (rollouts
-                       generated but not yet trained on), rng.pt
-  checkpoints/latest   name of the newest complete checkpoint (replaced atomically)
+  checkpoints/         see rzero.run.checkpoint
 """
 
 from __future__ import annotations
@@ -26,18 +24,18 @@ from pathlib import Path
 
 import torch
 
-from rzero import ops
 from rzero.config import RunConfig, config_to_toml, load_config
 from rzero.engine import Engine, SamplingParams
 from rzero.envs import make_env as build_env
+from rzero.files import atomic_write_text
 from rzero.model.io import load_model, parse_dtype, read_tokenizer_files, save_model
 from rzero.model.presets import init_model
 from rzero.model.tokenizer import load_tokenizer
-from rzero.ops import AttentionMeta
 from rzero.rollout.orchestrator import LocalBackend
-from rzero.train.losses import LossSettings
-from rzero.train.trainer import Trainer, TrainerSettings, copy_grads_to_master
-
+from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
+from rzero.run.metrics_log import MetricsLog
+from rzero.run.warm_start import warm_start
+from rzero.train.trainer import Trainer, TrainerSettings
 
 
 def make_env(config: RunConfig):
@@ -48,180 +46,11 @@ def new_run_dir() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-# ------------------------------------------------------------------ warm start
-
-
-def warm_start(model, tokenizer, env, config: RunConfig, log=print) -> float:
-    """Supervised steps on the task's reference answers; returns the last loss."""
-    ws = config.warm_start
-    dtype = parse_dtype(config.model.dtype)
-    trainer_model = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-    loss_value = float("nan")
-    for step in range(ws.steps):
-        # Tasks from a range disjoint from the RL run's (RL uses indices 0, 1, 2, ...).
-        tasks = [env.task(10_000_000 + step * ws.batch_size + i) for i in range(ws.batch_size)]
-        seqs, rows, labels, offset = [], [], [], 0
-        for task in tasks:
-            tokens = tokenizer.encode(task.prompt, add_special_tokens=False).ids
-            reference = env.reference(task)
-            for text, trained in [(reference, True)] if isinstance(reference, str) else reference:
-                ids = tokenizer.encode(text, add_special_tokens=False).ids
-                if trained:  # environment text (tool responses) is context, not a target
-                    rows.extend(range(offset + len(tokens) - 1, offset + len(tokens) - 1 + len(ids)))
-                    labels.extend(ids)
-                tokens += ids
-            seqs.append(tokens)
-            offset += len(tokens)
-        meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
-        hidden = trainer_model(torch.tensor([t for s in seqs for t in s]), meta)
-        logp = ops.log_softmax(trainer_model.logits(hidden[rows]))
-        loss = -logp.gather(1, torch.tensor(labels)[:, None]).mean()
-        opt.zero_grad(set_to_none=True)
-        trainer_model.zero_grad(set_to_none=True)
-        loss.backward()
-        if trainer_model is not model:
-            copy_grads_to_master(model, trainer_model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if trainer_model is not model:
-            with torch.no_grad():
-                for mp, cp in zip(model.parameters(), trainer_model.parameters()):
-                    cp.copy_(mp)
-        loss_value = float(loss.detach())
-        if not math.isfinite(loss_value):
-            raise RuntimeError(
-                f"warm start diverged at step {step + 1}/{ws.steps} (loss {loss_value}); "
-                f"lower warm_start.lr (now {ws.lr}) or set warm_start.steps = 0"
-            )
-        if step % 50 == 0 or step == ws.steps - 1:
-            log(f"warm start {step + 1}/{ws.steps}: loss {loss_value:.3f}")
-    return loss_value
-
-
-# ----------------------------------------------------------------- checkpoints
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def save_checkpoint(
-    run_dir: Path, step: int, trainer: Trainer, backend: LocalBackend, tokenizer_files: dict[str, bytes]
-) -> Path:
-    """Write checkpoints/step_N completely, then point `latest` at it; keep the last two."""
-    root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    tmp = root / f".step_{step}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        save_model(trainer.master, tmp / "model", extra_files=tokenizer_files, dtype="fp32")
-        torch.save(trainer.state_dict(), tmp / "trainer.pt")
-        torch.save(backend.state_dict(), tmp / "orchestrator.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _atomic_write_text(root / "latest", final.name + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    path = run_dir / "checkpoints" / name
-    return path if name and path.is_dir() else None
-
-
-def _checkpoints_newest_first(run_dir: Path) -> list[Path]:
-    steps = [p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
-
-
-def load_checkpoint(path: Path) -> dict:
-    """Everything a resume needs from one checkpoint, fully loaded (so a damaged file shows here,
-    not halfway through the run). Raises ValueError naming the damaged file."""
-    state = {"model": load_model(path / "model", "fp32"), "tokenizer_files": read_tokenizer_files(path / "model")}
-    for key in ("trainer", "orchestrator", "rng"):
-        file = path / f"{key}.pt"
-        try:
-            state[key] = torch.load(file, weights_only=False)
-        except Exception as err:  # truncated or garbage pickles raise many different types
-            raise ValueError(f"{file}: cannot be read ({type(err).__name__}: {err})") from None
-    return state
-
-
-def find_resume_checkpoint(run_dir: Path, log=print) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads completely, falling back to older ones (saying so)."""
-    for path in _checkpoints_newest_first(run_dir):
-        try:
-            return path, load_checkpoint(path)
-        except (OSError, ValueError) as err:
-            log(f"checkpoint {path.name} is unusable ({err}); trying the previous one")
-    return None
-
-
-# ------------------------------------------------------------------------ run
-
-
-def _step_of(line: str) -> int | None:
-    """The step of one metrics.jsonl line; None for a torn or garbled line (a kill mid-write)."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-class MetricsLog:
-    def __init__(self, run_dir: Path, config: RunConfig, keep_below_step: int | None):
-        self.path = run_dir / "metrics.jsonl"
-        if keep_below_step is not None and self.path.exists():
-            # On resume, drop steps after the checkpoint: they are computed again.
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) is not None]
-            kept = [line for line in kept if _step_of(line) < keep_below_step]
-            _atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-        self.file = open(self.path, "a")
-        self.tb = None
-        if config.run.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-        self.wandb = None
-        if config.run.wandb:
-            import wandb  # optional: only when the user asks for it
-
-            self.wandb = wandb.init(project=config.run.wandb_project, dir=str(run_dir), config=config.model_dump())
-
-    def write(self, metrics: dict[str, float]) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
-        step = int(metrics["step"])
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+def trainer_settings(config: RunConfig) -> TrainerSettings:
+    """The trainer's settings: the [train] section's fields, plus the two it needs from elsewhere."""
+    return TrainerSettings.from_values(
+        {**config.train.model_dump(), "max_lag": config.rollout.max_lag, "decompose": config.diagnostics.decompose}
+    )
 
 
 def prepare_base_model(config: RunConfig, run_dir: Path, log=print) -> Path:
@@ -255,7 +84,6 @@ def train(
 ) -> Path:
     """Run (or resume) RL training into run_dir. `env` overrides the configured environment;
     `overrides` (the --set strings of a resume) are recorded in run_dir/overrides.jsonl."""
-    ops.set_numerics(config.model.numerics)
     if config.run.wandb:
         try:
             import wandb  # noqa: F401  (optional; checked before anything starts)
@@ -267,7 +95,7 @@ def train(
     if resume and checkpoint is None:
         log(f"no intact checkpoint in {run_dir}: starting from step 0 (metrics of the lost steps are dropped)")
     if not resume:
-        _atomic_write_text(run_dir / "config.toml", config_to_toml(config))
+        atomic_write_text(run_dir / "config.toml", config_to_toml(config))
     elif overrides:  # the record says what ran: overrides given on resume, with the step they apply from
         step = 0 if saved is None else saved["trainer"]["version"]
         with open(run_dir / "overrides.jsonl", "a") as f:
@@ -287,22 +115,7 @@ def train(
         tokenizer_files = read_tokenizer_files(model_dir)
     tokenizer = load_tokenizer(model_dir)
     t = config.train
-    settings = TrainerSettings(
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=tuple(t.betas),
-        grad_clip=t.grad_clip,
-        warmup_steps=t.warmup_steps,
-        schedule=t.schedule,
-        total_steps=t.steps,
-        micro_batch_tokens=t.micro_batch_tokens,
-        leave_one_out=t.leave_one_out,
-        advantage_std_norm=t.advantage_std_norm,
-        decompose=config.diagnostics.decompose,
-        max_lag=config.rollout.max_lag,
-        loss=LossSettings(t.loss, t.clip_eps, t.tis_cap, t.icepop_low, t.icepop_high),
-    )
-    trainer = Trainer(master, dtype, settings)
+    trainer = Trainer(master, dtype, trainer_settings(config), numerics=config.model.numerics)
     orchestrator_state = None
     if checkpoint is not None:
         trainer.load_state_dict(saved["trainer"])
@@ -320,6 +133,7 @@ def train(
     def make_engine() -> Engine:
         return Engine(
             engine_template,  # each engine takes its own copy
+            numerics=trainer.numerics,
             dtype=dtype,
             tokenizer=tokenizer,
             recompute_on_update=r.recompute_on_update,
@@ -443,7 +257,7 @@ def main(args) -> int:
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise ValueError(f"{run_dir}: exists and is not an empty directory; choose another --out")
     train(config, run_dir, resume=bool(args.resume), overrides=overrides if args.resume else None)
-    from rzero.train.report import write_report
+    from rzero.run.report import write_report
 
     report = write_report(run_dir)
     print(f"run directory: {run_dir}\nreport: {report}")

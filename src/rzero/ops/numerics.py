@@ -1,0 +1,170 @@
+"""`Numerics`: one numerics mode's ops, the only floating-point code the model and engine call.
+
+Two modes; every `Engine` and `Trainer` is given one at construction (and its model copy holds
+it), so engines of different modes can run side by side in one process:
+
+- ``invariant``: each row's result is bitwise independent of batch size, batch position, batch
+  neighbours, padding, and (for attention) of prefill vs decode vs chunked prefill.
+- ``standard``: the fastest stock PyTorch path a typical stack would use. It is the control.
+
+Model and engine code call only these methods; never `F.linear`, `torch.softmax` or
+`scaled_dot_product_attention` directly. Every call is counted in the dispatch trace that the C0
+numerics audit reads (`trace_dispatch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rzero.ops import invariant as _invariant
+from rzero.ops import sampling as _sampling
+from rzero.ops import standard as _standard
+from rzero.ops.attention_meta import AttentionMeta
+from rzero.ops.sampling import SamplingTransform
+
+NUMERICS_MODES = ("invariant", "standard")
+
+_trace: Counter | None = None  # the C0 audit's call counter, when one is recording
+_inside = threading.local()  # depth of rzero-op calls on this thread (the C0 audit reads it)
+
+
+@contextlib.contextmanager
+def trace_dispatch() -> Iterator[Counter]:
+    """Count every rzero op called inside the block, by `mode.op` name (C0 reads this)."""
+    global _trace
+    previous, _trace = _trace, Counter()
+    try:
+        yield _trace
+    finally:
+        _trace = previous
+
+
+def inside_op() -> bool:
+    """True while this thread is executing an rzero op (used to find stock kernels leaking in)."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+def _op(method: Callable) -> Callable:
+    """Count the call in the dispatch trace and mark the thread as inside an rzero op."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Numerics, *args, **kwargs):
+        if _trace is not None:
+            _trace[f"{self.mode}.{name}"] += 1
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    return wrapper
+
+
+class Numerics:
+    """The ops of one numerics mode. Use `numerics("invariant")` (or `INVARIANT` / `STANDARD`)."""
+
+    def __init__(self, mode: str):
+        if mode not in NUMERICS_MODES:
+            raise ValueError(f"unknown numerics mode {mode!r}; choose one of {', '.join(NUMERICS_MODES)}")
+        self.mode = mode
+        self._impl = _invariant if mode == "invariant" else _standard
+        # A forward pass pads its token rows to a multiple of this once, up front (AttentionMeta),
+        # so that no op inside the model has to copy its input to pad it.
+        self.row_tile: int = self._impl.ROW_TILE
+
+    def __repr__(self) -> str:
+        return f"Numerics({self.mode!r})"
+
+    # One object per mode: copies of a model (deepcopy, pickle) keep pointing at it.
+    def __deepcopy__(self, memo) -> Numerics:
+        return self
+
+    def __reduce__(self):
+        return numerics, (self.mode,)
+
+    @_op
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T over the last dim of x (no bias: Qwen3 has none)."""
+        return self._impl.linear(x, weight)
+
+    @_op
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._impl.rms_norm(x, weight, eps)
+
+    @_op
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up (the SwiGLU activation)."""
+        return self._impl.silu_mul(gate, up)
+
+    @_op
+    def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding (rotate-half convention); elementwise, identical in both modes."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @_op
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        """log_softmax over the last dim, computed in fp32."""
+        return self._impl.log_softmax(x)
+
+    @_op
+    def softmax(self, x: torch.Tensor) -> torch.Tensor:
+        """softmax over the last dim, computed in fp32."""
+        return self._impl.softmax(x)
+
+    @_op
+    def attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of flat queries q (T, H, D) over paged K/V caches.
+
+        The caches hold (num_blocks, ATTN_BLOCK, Hkv, D) and already contain the keys and values
+        of the query tokens themselves (the caller writes them first). GQA when H > Hkv.
+        """
+        return self._impl.attention(q, k_cache, v_cache, meta, scale)
+
+    @_op
+    def moe_route(self, router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert choice: returns (weights (T, k) fp32, expert ids (T, k))."""
+        return self._impl.moe_route(router_logits, top_k, normalize)
+
+    @_op
+    def moe_combine(self, expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over the k expert outputs (T, k, H) with weights (T, k) -> (T, H)."""
+        return self._impl.moe_combine(expert_outputs, weights)
+
+    # The sampling transform sorts, scans and normalises: it is an op like the others.
+    @_op
+    def transformed_logprobs(self, logits: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
+        """(N, V) logits -> (N, V) fp32 logprobs of the distribution `transform` samples from."""
+        return _sampling.transformed_logprobs(self, logits, transform)
+
+    @_op
+    def sample_tokens(
+        self, logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """One token per row (Gumbel-max with each row's own generator; argmax for greedy rows)."""
+        return _sampling.sample_tokens(logprobs, greedy, generators)
+
+
+INVARIANT = Numerics("invariant")
+STANDARD = Numerics("standard")
+
+
+def numerics(mode: str | Numerics) -> Numerics:
+    """The `Numerics` of a mode name ("invariant" or "standard"); a `Numerics` is returned as is."""
+    if isinstance(mode, Numerics):
+        return mode
+    if mode == "invariant":
+        return INVARIANT
+    if mode == "standard":
+        return STANDARD
+    return Numerics(mode)  # raises the error that names the valid modes
