@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny locally built model directories, offline Hugging Face, numerics reset."""
+"""Shared fixtures: tiny locally built model directories, offline Hugging Face."""
 
 from __future__ import annotations
 
@@ -13,16 +13,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-
-from rzero import ops  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _restore_numerics():
-    """A test that switches the numerics mode never leaks it into the next test."""
-    mode = ops.get_numerics()
-    yield
-    ops.set_numerics(mode)
 
 
 @pytest.fixture(scope="session")

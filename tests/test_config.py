@@ -15,9 +15,9 @@ def test_shipped_configs_load(name):
     assert config.train.loss == "reinforce_is"
 
 
-def test_tool_calc_sync_config_differs_from_lag64_only_in_mode():
+def test_tool_calc_sync_config_differs_from_lag64_only_in_lag():
     lag64, sync = load_config(CONFIGS / "tool_calc_lag64.toml"), load_config(CONFIGS / "tool_calc_sync.toml")
-    assert (lag64.rollout.mode, lag64.rollout.max_lag, sync.rollout.mode, sync.rollout.max_lag) == ("async", 64, "sync", 0)
+    assert (lag64.rollout.max_lag, sync.rollout.max_lag) == (64, 0)
     sync.rollout = lag64.rollout
     assert sync == lag64
 
@@ -36,7 +36,31 @@ def test_default_toml_matches_builtin_defaults():
 
 def test_sync_config_is_the_synchronous_baseline():
     config = load_config(CONFIGS / "sync.toml")
-    assert config.rollout.mode == "sync" and config.rollout.max_lag == 0
+    assert config.rollout.max_lag == 0
+
+
+def test_removed_rollout_mode_key_is_dropped_when_it_agrees():
+    """Run configs written before rollout.mode was removed still load (so old runs resume)."""
+    with pytest.warns(UserWarning, match="rollout.mode is no longer used"):
+        config = load_config(None, ["rollout.mode=sync", "rollout.max_lag=0"])
+    assert config.rollout.max_lag == 0 and "mode" not in config.rollout.model_dump()
+    with pytest.warns(UserWarning):
+        assert load_config(None, ["rollout.mode=async"]) == load_config(None)
+
+
+def test_choices_come_from_the_code_constants():
+    from rzero.cli import build_parser
+    from rzero.envs import ENV_NAMES
+    from rzero.model.presets import PRESETS
+    from rzero.ops import NUMERICS_MODES
+    from rzero.train.losses import LOSSES
+
+    for key, values in [("model.numerics", NUMERICS_MODES), ("model.preset", tuple(PRESETS)), ("train.loss", LOSSES), ("env.name", ENV_NAMES)]:
+        for value in values:
+            extra = ["env.data=x.jsonl"] if value == "math" else []
+            assert load_config(None, [f"{key}={value}", *extra]) is not None
+    choices = {a.dest: a.choices for sub in build_parser()._subparsers._group_actions[0].choices.values() for a in sub._actions}
+    assert tuple(choices["numerics"]) == NUMERICS_MODES and tuple(choices["preset"]) == tuple(PRESETS)
 
 
 def test_overrides_parse_toml_values():
@@ -52,7 +76,7 @@ def test_overrides_parse_toml_values():
         (["nosuch.key=1"], r"nosuch: unknown key"),
         (["train.lr=-1"], r"train\.lr: Input should be greater than 0"),
         (["train.loss=ppo"], r"train\.loss: Input should be"),
-        (["rollout.mode=sync"], r"requires rollout\.max_lag = 0"),
+        (["rollout.mode=sync"], r"rollout\.mode = 'sync' \(a removed key\) requires rollout\.max_lag = 0"),
         (["model.numerics=fast"], r"model\.numerics"),
         (["justakey"], r"expected section\.key=value"),
     ],
@@ -86,7 +110,7 @@ def test_cli_reports_config_errors_before_starting(tmp_path, capsys):
 def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     import builtins
 
-    from rzero.train.run import train
+    from rzero.run.loop import train
 
     real_import = builtins.__import__
 

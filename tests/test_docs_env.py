@@ -3,7 +3,6 @@
 import re
 from pathlib import Path
 
-from rzero import ops
 from rzero.engine import Engine, SamplingParams
 
 from test_episodes import run_episodes
@@ -16,7 +15,6 @@ def test_documented_guess_env_runs_multi_turn_episodes(tiny_dense_dir):
     namespace: dict = {}
     exec(compile(code, str(DOC), "exec"), namespace)
     env = namespace["GuessEnv"]()
-    ops.set_numerics("invariant")
     engine = Engine(tiny_dense_dir, dtype="bf16")
     episodes = run_episodes(engine, env, [env.task(i) for i in range(3)], SamplingParams(max_tokens=2, n=2, seed=0))
     assert len(episodes) == 6

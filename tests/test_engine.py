@@ -1,6 +1,6 @@
 """rzero.engine: continuous batching, paged KV cache, sampling, versioned weight updates.
 
-The central property (BRIEF §2, checklist C3/C5/C6/C7): under invariant numerics a seeded request
+The central property (docs/design.md, checklist C3/C5/C6/C7): under invariant numerics a seeded request
 samples the same tokens with the same behaviour logprobs, bit for bit, whatever else the engine is
 doing (batch neighbours, arrival order, chunked prefill, shared prefixes, preemption), and those
 logprobs equal the trainer's teacher-forced logprobs under the same sampling transform. "Equal"
@@ -20,11 +20,12 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from rzero import ops
 from rzero.engine import Engine, SamplingParams
 from rzero.engine.sequence import Status
 from rzero.model.io import load_model
 from rzero.ops import ATTN_BLOCK, AttentionMeta
+from rzero.rollout.record import Rollout
+from rzero.train.trainer import Trainer
 
 DTYPES = ["fp32", "bf16"]
 # A fixed, reproducible set of examples by default; RZERO_ENGINE_EXAMPLES=500 explores at random.
@@ -58,11 +59,11 @@ def _one_thread():
 _MODELS: dict[tuple, torch.nn.Module] = {}
 
 
-def trainer_model(model_dir, dtype: str):
-    """The trainer's copy of the weights (loaded once per dtype; tests must not modify it)."""
-    key = (str(model_dir), dtype)
+def trainer_model(model_dir, dtype: str, numerics: str = "invariant"):
+    """The trainer's copy of the weights (loaded once per dtype and numerics; tests must not modify it)."""
+    key = (str(model_dir), dtype, numerics)
     if key not in _MODELS:
-        _MODELS[key] = load_model(model_dir, dtype)
+        _MODELS[key] = load_model(model_dir, dtype, numerics=numerics)
     return _MODELS[key]
 
 
@@ -79,30 +80,19 @@ def model_dir(tiny_dense_dir):
     return tiny_dense_dir
 
 
-def make_engine(model_dir, dtype: str = "fp32", **kwargs) -> Engine:
+def make_engine(model_dir, dtype: str = "fp32", numerics: str = "invariant", **kwargs) -> Engine:
     """An engine over the model object (no tokenizer, no EOS) unless told otherwise."""
     kwargs.setdefault("num_kv_blocks", 64)
     kwargs.setdefault("eos_token_ids", [])
-    return Engine(trainer_model(model_dir, dtype), dtype=dtype, **kwargs)
+    return Engine(trainer_model(model_dir, dtype), numerics=numerics, dtype=dtype, **kwargs)
 
 
 def teacher_forced(model, outputs, transforms) -> list[list[float]]:
-    """The trainer's logprobs of each output's completion tokens: one packed no-grad forward over
-    the whole sequences (AttentionMeta.for_sequences), then the same sampling transform."""
-    seqs = [o.prompt_token_ids + o.token_ids for o in outputs]
-    meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
+    """The trainer's logprobs of each output's completion tokens: `Trainer.token_logprobs` (one
+    packed no-grad forward over the whole sequences) under the same sampling transforms."""
+    rollouts = [Rollout(o.prompt_token_ids, o.token_ids, o.logprobs, o.versions, 0.0, t) for o, t in zip(outputs, transforms)]
     with torch.no_grad():
-        logits = model.logits(model(torch.tensor([t for s in seqs for t in s]), meta))
-    result, start = [], 0
-    for out, seq, transform in zip(outputs, seqs, transforms):
-        prompt = len(out.prompt_token_ids)
-        if out.token_ids:  # (an aborted request may have none)
-            lp = ops.transformed_logprobs(logits[start + prompt - 1 : start + len(seq) - 1], transform)
-            result.append(lp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist())
-        else:
-            result.append([])
-        start += len(seq)
-    return result
+        return [lp.tolist() for lp in Trainer.token_logprobs(model, rollouts)]
 
 
 def assert_block_accounting(engine: Engine) -> None:
@@ -260,19 +250,18 @@ def run_workload(model_dir, dtype, workload, updates=()):
 @PROPERTY
 @given(workload=workloads())
 def test_request_is_bitwise_identical_to_running_alone_and_to_the_trainer(model_dir, dtype, workload):
-    with ops.numerics("invariant"):
-        outputs, _, transforms = run_workload(model_dir, dtype, workload)
-        for _, prompt, params, rid in workload[0]:
-            alone = generate_alone(model_dir, dtype, prompt, params, request_id=rid)
-            for i, solo in zip(sample_ids(rid, params), alone):
-                out, k = outputs[i], len(outputs[i].token_ids)  # an aborted request: a prefix
-                assert out.token_ids == solo.token_ids[:k], f"{i}: tokens depend on the batch"
-                assert out.logprobs == solo.logprobs[:k], f"{i}: behaviour logprobs depend on the batch"
-                if params.prompt_logprobs:  # every position the engine did compute has the same bits
-                    for got, ref in zip(out.prompt_logprobs, solo.prompt_logprobs):
-                        assert got is None or ref is None or got == ref
-        ordered = list(outputs.values())
-        trainer = teacher_forced(trainer_model(model_dir, dtype), ordered, [transforms[o.request_id] for o in ordered])
+    outputs, _, transforms = run_workload(model_dir, dtype, workload)
+    for _, prompt, params, rid in workload[0]:
+        alone = generate_alone(model_dir, dtype, prompt, params, request_id=rid)
+        for i, solo in zip(sample_ids(rid, params), alone):
+            out, k = outputs[i], len(outputs[i].token_ids)  # an aborted request: a prefix
+            assert out.token_ids == solo.token_ids[:k], f"{i}: tokens depend on the batch"
+            assert out.logprobs == solo.logprobs[:k], f"{i}: behaviour logprobs depend on the batch"
+            if params.prompt_logprobs:  # every position the engine did compute has the same bits
+                for got, ref in zip(out.prompt_logprobs, solo.prompt_logprobs):
+                    assert got is None or ref is None or got == ref
+    ordered = list(outputs.values())
+    trainer = teacher_forced(trainer_model(model_dir, dtype), ordered, [transforms[o.request_id] for o in ordered])
     for out, expected in zip(ordered, trainer):
         assert out.logprobs == expected, f"{out.request_id}: behaviour logprob != trainer logprob"
 
@@ -284,11 +273,10 @@ def test_weight_update_at_any_step_matches_the_trainer_at_each_tokens_version(mo
     """update_weights between any two steps: nothing is dropped, later tokens carry version 1, and
     (recompute_on_update) each token's logprob is the trainer's at the weights of its version."""
     v0, v1 = trainer_model(model_dir, dtype), next_version_model(model_dir, dtype)
-    with ops.numerics("invariant"):
-        outputs, streamed, transforms = run_workload(model_dir, dtype, workload, [(update_step, v1.state_dict(), 1)])
-        ordered = list(outputs.values())
-        order = [transforms[o.request_id] for o in ordered]
-        by_version = {0: teacher_forced(v0, ordered, order), 1: teacher_forced(v1, ordered, order)}
+    outputs, streamed, transforms = run_workload(model_dir, dtype, workload, [(update_step, v1.state_dict(), 1)])
+    ordered = list(outputs.values())
+    order = [transforms[o.request_id] for o in ordered]
+    by_version = {0: teacher_forced(v0, ordered, order), 1: teacher_forced(v1, ordered, order)}
     event(f"tokens of both versions in one request: {any(len(set(o.versions)) == 2 for o in ordered)}")
     for i, out in enumerate(ordered):
         assert out.versions == sorted(out.versions)
@@ -303,10 +291,9 @@ def test_standard_numerics_negative_control(model_dir, dtype):
     rng = random.Random(1)
     prompts = [random_prompt(rng, n) for n in (37, 5, 21)]
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
-    with ops.numerics("standard"):
-        engine = make_engine(model_dir, dtype, max_num_batched_tokens=16)
-        outputs = engine.generate(prompts, params)
-        trainer = teacher_forced(trainer_model(model_dir, dtype), outputs, [params.transform] * 3)
+    engine = make_engine(model_dir, dtype, numerics="standard", max_num_batched_tokens=16)
+    outputs = engine.generate(prompts, params)
+    trainer = teacher_forced(trainer_model(model_dir, dtype, "standard"), outputs, [params.transform] * 3)
     diffs = [abs(a - b) for out, ref in zip(outputs, trainer) for a, b in zip(out.logprobs, ref)]
     assert max(diffs) > 0.0, "standard numerics happened to match the trainer bitwise"
 
@@ -320,51 +307,50 @@ def test_requests_join_and_leave_at_any_step_and_abort_frees_blocks(model_dir):
     rng = random.Random(2)
     params = SamplingParams(max_tokens=12, seed=7)
     a_prompt, b_prompt, c_prompt, d_prompt = (random_prompt(rng, n) for n in (20, 35, 9, 18))
-    with ops.numerics("invariant"):
-        engine = make_engine(model_dir, max_num_batched_tokens=24)
-        assert engine.add_request(a_prompt, params, request_id="a") == ["a"]
-        seen = {}
-        for _ in range(3):
-            for out in engine.step():
-                seen.setdefault(out.request_id, []).append(out.token_id)
-        engine.add_request(b_prompt, params, request_id="b")  # joins mid-generation
-        group = engine.add_request(c_prompt, SamplingParams(max_tokens=6, seed=9, n=3), request_id="c")
-        assert group == ["c/0", "c/1", "c/2"]
+    engine = make_engine(model_dir, max_num_batched_tokens=24)
+    assert engine.add_request(a_prompt, params, request_id="a") == ["a"]
+    seen = {}
+    for _ in range(3):
         for out in engine.step():
             seen.setdefault(out.request_id, []).append(out.token_id)
-        assert engine.sequences["b"].status == Status.RUNNING and engine.sequences["b"].block_table
-        free_before = engine.blocks.num_free
-        held_by_b = len(engine.sequences["b"].block_table)
-        engine.abort("b")  # running request
-        assert engine.blocks.num_free == free_before + held_by_b
-        assert engine.get_output("b").finish_reason == "abort"
-        engine.abort("c/0")  # a group leader: its followers go on without it
-        engine.add_request(d_prompt, params, request_id="d")
-        engine.abort("d")  # still waiting: never scheduled
+    engine.add_request(b_prompt, params, request_id="b")  # joins mid-generation
+    group = engine.add_request(c_prompt, SamplingParams(max_tokens=6, seed=9, n=3), request_id="c")
+    assert group == ["c/0", "c/1", "c/2"]
+    for out in engine.step():
+        seen.setdefault(out.request_id, []).append(out.token_id)
+    assert engine.sequences["b"].status == Status.RUNNING and engine.sequences["b"].block_table
+    free_before = engine.blocks.num_free
+    held_by_b = len(engine.sequences["b"].block_table)
+    engine.abort("b")  # running request
+    assert engine.blocks.num_free == free_before + held_by_b
+    assert engine.get_output("b").finish_reason == "abort"
+    engine.abort("c/0")  # a group leader: its followers go on without it
+    engine.add_request(d_prompt, params, request_id="d")
+    engine.abort("d")  # still waiting: never scheduled
+    assert_block_accounting(engine)
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.pop_output("a")
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.token_id)
         assert_block_accounting(engine)
-        with pytest.raises(ValueError, match="has not finished"):
-            engine.pop_output("a")
-        steps = 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                seen.setdefault(out.request_id, []).append(out.token_id)
-            assert_block_accounting(engine)
-            steps += 1
-            assert steps < MAX_STEPS
-        engine.abort("a")  # aborting a finished request changes nothing
-        outputs = {rid: engine.pop_output(rid) for rid in ["a", "b", "c/0", "c/1", "c/2", "d"]}
-        assert_all_free(engine)
-        assert engine.sequences == {}
+        steps += 1
+        assert steps < MAX_STEPS
+    engine.abort("a")  # aborting a finished request changes nothing
+    outputs = {rid: engine.pop_output(rid) for rid in ["a", "b", "c/0", "c/1", "c/2", "d"]}
+    assert_all_free(engine)
+    assert engine.sequences == {}
 
-        assert outputs["a"].finish_reason == "length" and outputs["a"].token_ids == seen["a"]
-        assert [outputs[r].finish_reason for r in ("b", "c/0", "d")] == ["abort"] * 3
-        assert outputs["d"].token_ids == [] and "d" not in seen
-        assert outputs["a"].token_ids == generate_alone(model_dir, "fp32", a_prompt, params)[0].token_ids
-        group_alone = generate_alone(model_dir, "fp32", c_prompt, SamplingParams(max_tokens=6, seed=9, n=3))
-        for i in (1, 2):
-            assert outputs[f"c/{i}"].finish_reason == "length"
-            assert outputs[f"c/{i}"].token_ids == group_alone[i].token_ids
-            assert outputs[f"c/{i}"].logprobs == group_alone[i].logprobs
+    assert outputs["a"].finish_reason == "length" and outputs["a"].token_ids == seen["a"]
+    assert [outputs[r].finish_reason for r in ("b", "c/0", "d")] == ["abort"] * 3
+    assert outputs["d"].token_ids == [] and "d" not in seen
+    assert outputs["a"].token_ids == generate_alone(model_dir, "fp32", a_prompt, params)[0].token_ids
+    group_alone = generate_alone(model_dir, "fp32", c_prompt, SamplingParams(max_tokens=6, seed=9, n=3))
+    for i in (1, 2):
+        assert outputs[f"c/{i}"].finish_reason == "length"
+        assert outputs[f"c/{i}"].token_ids == group_alone[i].token_ids
+        assert outputs[f"c/{i}"].logprobs == group_alone[i].logprobs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,16 +363,15 @@ def test_small_cache_preempts_and_gives_the_unpreempted_bits(model_dir, dtype):
     rng = random.Random(3)
     prompts = [random_prompt(rng, rng.randint(15, 30)) for _ in range(6)]
     params = SamplingParams(temperature=1.0, max_tokens=36, seed=11)
-    with ops.numerics("invariant"):
-        small = make_engine(model_dir, dtype, num_kv_blocks=9)  # 144 slots; the requests need ~360
-        assert all(k.shape[0] == v.shape[0] == 9 for k, v in small.kv_caches)  # the memory bound
-        arrivals = [(0, p, params, f"q{i}") for i, p in enumerate(prompts)]
-        preempted, _ = run_to_completion(small, arrivals, check_blocks=True)
-        assert small.num_preemptions > 0
-        assert_all_free(small)
-        roomy = make_engine(model_dir, dtype, num_kv_blocks=64)
-        reference, _ = run_to_completion(roomy, arrivals)
-        assert roomy.num_preemptions == 0
+    small = make_engine(model_dir, dtype, num_kv_blocks=9)  # 144 slots; the requests need ~360
+    assert all(k.shape[0] == v.shape[0] == 9 for k, v in small.kv_caches)  # the memory bound
+    arrivals = [(0, p, params, f"q{i}") for i, p in enumerate(prompts)]
+    preempted, _ = run_to_completion(small, arrivals, check_blocks=True)
+    assert small.num_preemptions > 0
+    assert_all_free(small)
+    roomy = make_engine(model_dir, dtype, num_kv_blocks=64)
+    reference, _ = run_to_completion(roomy, arrivals)
+    assert roomy.num_preemptions == 0
     for rid, out in preempted.items():
         assert out.finish_reason == "length" and len(out.token_ids) == 36
         assert out.token_ids == reference[rid].token_ids
@@ -414,23 +399,22 @@ def test_request_longer_than_the_whole_cache_finishes_with_length(model_dir):
 def test_greedy_is_argmax_and_top_k_1_is_greedy(model_dir):
     rng = random.Random(4)
     prompts = [random_prompt(rng, n) for n in (13, 30)]
-    with ops.numerics("invariant"):
-        engine = make_engine(model_dir)
-        greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
-        top1 = engine.generate(prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=10, seed=5))
-        model = trainer_model(model_dir, "fp32")
-        for out, t1 in zip(greedy, top1):
-            seq = out.prompt_token_ids + out.token_ids
-            meta, _ = AttentionMeta.for_sequences([len(seq)])
-            with torch.no_grad():
-                logits = model.logits(model(torch.tensor(seq), meta))
-            prompt = len(out.prompt_token_ids)
-            assert out.token_ids == logits[prompt - 1 : -1].argmax(-1).tolist()
-            # temperature 0 is scored under temperature 1
-            expected = ops.log_softmax(logits[prompt - 1 : -1]).gather(1, torch.tensor(out.token_ids)[:, None])
-            assert out.logprobs == expected[:, 0].tolist()
-            assert t1.token_ids == out.token_ids
-            assert t1.logprobs == [0.0] * 10  # the truncated distribution has one token
+    engine = make_engine(model_dir)
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
+    top1 = engine.generate(prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=10, seed=5))
+    model = trainer_model(model_dir, "fp32")
+    for out, t1 in zip(greedy, top1):
+        seq = out.prompt_token_ids + out.token_ids
+        meta, _ = AttentionMeta.for_sequences([len(seq)], row_tile=model.numerics.row_tile)
+        with torch.no_grad():
+            logits = model.logits(model(torch.tensor(seq), meta))
+        prompt = len(out.prompt_token_ids)
+        assert out.token_ids == logits[prompt - 1 : -1].argmax(-1).tolist()
+        # temperature 0 is scored under temperature 1
+        expected = model.numerics.log_softmax(logits[prompt - 1 : -1]).gather(1, torch.tensor(out.token_ids)[:, None])
+        assert out.logprobs == expected[:, 0].tolist()
+        assert t1.token_ids == out.token_ids
+        assert t1.logprobs == [0.0] * 10  # the truncated distribution has one token
 
 
 def test_seed_reproducibility(model_dir):
@@ -502,23 +486,22 @@ def test_stop_strings_stop_and_truncate_text(model_dir):
 def test_n_samples_share_prompt_blocks(model_dir):
     prompt = random_prompt(random.Random(7), 2 * ATTN_BLOCK + 8)  # two full blocks and a partial one
     params = SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=21, prompt_logprobs=True)
-    with ops.numerics("invariant"):
-        engine = make_engine(model_dir)
-        computed = []
-        engine.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
-        ids = engine.add_request(prompt, params, request_id="g")
-        assert ids == ["g/0", "g/1", "g/2", "g/3"]
-        engine.step()  # the leader computes the prompt; the others wait for its blocks
-        engine.step()  # the others join, reusing the two full prompt blocks
-        tables = [engine.sequences[i].block_table for i in ids]
-        shared = tables[0][:2]
-        assert all(t[:2] == shared for t in tables)
-        assert len({t[2] for t in tables}) == 4  # the partial block is private
-        assert [engine.blocks.ref_count[b] for b in shared] == [4, 4]
-        assert engine.blocks.num_blocks - engine.blocks.num_free == 2 + 4  # not 4 * 3
-        run_to_completion(engine)
-        outputs = [engine.pop_output(i) for i in ids]
-        assert_all_free(engine)
+    engine = make_engine(model_dir)
+    computed = []
+    engine.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
+    ids = engine.add_request(prompt, params, request_id="g")
+    assert ids == ["g/0", "g/1", "g/2", "g/3"]
+    engine.step()  # the leader computes the prompt; the others wait for its blocks
+    engine.step()  # the others join, reusing the two full prompt blocks
+    tables = [engine.sequences[i].block_table for i in ids]
+    shared = tables[0][:2]
+    assert all(t[:2] == shared for t in tables)
+    assert len({t[2] for t in tables}) == 4  # the partial block is private
+    assert [engine.blocks.ref_count[b] for b in shared] == [4, 4]
+    assert engine.blocks.num_blocks - engine.blocks.num_free == 2 + 4  # not 4 * 3
+    run_to_completion(engine)
+    outputs = [engine.pop_output(i) for i in ids]
+    assert_all_free(engine)
     # prompt tokens computed: 40 by the leader, 8 by each follower (not 4 * 40)
     assert computed[:2] == [len(prompt), 3 * 8 + 1]
     assert len(outputs) == 4 and len({tuple(o.token_ids) for o in outputs}) > 1
@@ -558,29 +541,28 @@ def test_update_weights_between_steps_keeps_requests_and_stamps_versions(model_d
     v0 = trainer_model(model_dir, "fp32")
     v1 = perturbed_model(v0, seed=1)
     state1 = v1.state_dict()
-    with ops.numerics("invariant"):
-        engine = make_engine(model_dir, recompute_on_update=recompute, max_num_batched_tokens=32)
-        ids = engine.add_request(prompts[0], params, request_id="a") + engine.add_request(prompts[1], group, "b")
-        before = [out for _ in range(4) for out in engine.step()]
-        engine.update_weights(state1, version=1)
-        assert engine.version == 1
-        ids += engine.add_request(prompts[1], params, request_id="late")
-        after, steps = [], 0
-        while engine.has_unfinished():
-            after += engine.step()
-            steps += 1
-            assert steps < MAX_STEPS
-        outputs = [engine.pop_output(i) for i in ids]
-        assert_all_free(engine)
-        assert before and after
-        assert {o.version for o in before} == {0} and {o.version for o in after} == {1}
-        for out in outputs:
-            assert out.finish_reason == "length" and len(out.token_ids) == 10
-            assert out.versions == sorted(out.versions)
-        assert any(0 in o.versions and 1 in o.versions for o in outputs)
+    engine = make_engine(model_dir, recompute_on_update=recompute, max_num_batched_tokens=32)
+    ids = engine.add_request(prompts[0], params, request_id="a") + engine.add_request(prompts[1], group, "b")
+    before = [out for _ in range(4) for out in engine.step()]
+    engine.update_weights(state1, version=1)
+    assert engine.version == 1
+    ids += engine.add_request(prompts[1], params, request_id="late")
+    after, steps = [], 0
+    while engine.has_unfinished():
+        after += engine.step()
+        steps += 1
+        assert steps < MAX_STEPS
+    outputs = [engine.pop_output(i) for i in ids]
+    assert_all_free(engine)
+    assert before and after
+    assert {o.version for o in before} == {0} and {o.version for o in after} == {1}
+    for out in outputs:
+        assert out.finish_reason == "length" and len(out.token_ids) == 10
+        assert out.versions == sorted(out.versions)
+    assert any(0 in o.versions and 1 in o.versions for o in outputs)
 
-        transforms = [params.transform, group.transform, group.transform, params.transform]
-        by_version = {0: teacher_forced(v0, outputs, transforms), 1: teacher_forced(v1, outputs, transforms)}
+    transforms = [params.transform, group.transform, group.transform, params.transform]
+    by_version = {0: teacher_forced(v0, outputs, transforms), 1: teacher_forced(v1, outputs, transforms)}
     mismatch = [
         abs(lp - by_version[v][i][t])
         for i, out in enumerate(outputs)
@@ -649,16 +631,15 @@ def test_engine_copies_the_model_it_is_given(model_dir):
 def test_multi_turn_continuation_reuses_prefix_and_matches_plain_prefill(model_dir, dtype):
     rng = random.Random(10)
     prompt = random_prompt(rng, 29)
-    with ops.numerics("invariant"):
-        engine = make_engine(model_dir, dtype)
-        first = engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=17))[0]
-        tool_result = random_prompt(rng, 9)
-        turn2 = first.prompt_token_ids + first.token_ids + tool_result  # 58 tokens
-        params = SamplingParams(temperature=0.7, max_tokens=12, seed=18, prompt_logprobs=True)
-        computed = []
-        engine.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
-        cont = engine.generate(turn2, params)[0]
-        fresh = make_engine(model_dir, dtype).generate(turn2, params)[0]
+    engine = make_engine(model_dir, dtype)
+    first = engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=17))[0]
+    tool_result = random_prompt(rng, 9)
+    turn2 = first.prompt_token_ids + first.token_ids + tool_result  # 58 tokens
+    params = SamplingParams(temperature=0.7, max_tokens=12, seed=18, prompt_logprobs=True)
+    computed = []
+    engine.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
+    cont = engine.generate(turn2, params)[0]
+    fresh = make_engine(model_dir, dtype).generate(turn2, params)[0]
     # The first turn computed 29 + 19 tokens (the last sampled one never enters the cache): its
     # three full blocks are reused, the continuation computes only the rest of its prompt.
     cached = 3 * ATTN_BLOCK

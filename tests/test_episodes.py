@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from rzero import ops
 from rzero.engine import Engine, SamplingParams
 from rzero.envs.arithmetic import ArithmeticEnv
 from rzero.model.io import load_model
 from rzero.rollout.episodes import AsyncLoop, EpisodeRunner
-from rzero.train.trainer import Rollout, Trainer, TrainerSettings
+from rzero.rollout.record import Rollout
+from rzero.train.trainer import Trainer, TrainerSettings
 
 RESPONSE = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
@@ -59,7 +59,6 @@ def run_episodes(engine, env, tasks, params):
 
 @pytest.fixture
 def engine(tiny_dense_dir):
-    ops.set_numerics("invariant")
     return Engine(tiny_dense_dir, dtype="bf16", seed=0)
 
 
@@ -80,7 +79,7 @@ def test_multi_turn_episode_masks_env_tokens_and_keeps_exact_logprobs(engine, ti
     # The trainer, scoring the whole sequence with env tokens as context, gets the engine's μ
     # bit for bit on every model token.
     rollouts = [
-        Rollout(ep.key, ep.prompt_ids, ep.token_ids, ep.logprobs, ep.versions, ep.reward, SamplingParams().transform, mask=ep.mask)
+        Rollout(ep.prompt_ids, ep.token_ids, ep.logprobs, ep.versions, ep.reward, SamplingParams().transform, mask=ep.mask)
         for ep in episodes
     ]
     trainer = Trainer(load_model(tiny_dense_dir, "fp32"), torch.bfloat16, TrainerSettings())
@@ -109,7 +108,6 @@ def test_failing_env_ends_the_episode_with_zero_reward(engine):
 
 
 def test_conversation_that_outgrows_the_context_ends_cleanly(tiny_dense_dir):
-    ops.set_numerics("invariant")
     engine = Engine(tiny_dense_dir, dtype="bf16", max_model_len=48)
     env = ScriptedEnv(max_turns=10)
     (ep,) = run_episodes(engine, env, [env.task(0)], SamplingParams(max_tokens=4, seed=3))
@@ -120,11 +118,11 @@ def test_conversation_that_outgrows_the_context_ends_cleanly(tiny_dense_dir):
 
 def test_multi_turn_sync_training_has_unit_ratios(tmp_path):
     from rzero.config import load_config
-    from rzero.train.run import train
+    from rzero.run.loop import train
 
     config = load_config(
         None,
-        ["warm_start.steps=0", "rollout.mode=sync", "rollout.max_lag=0", "rollout.prompts_per_step=3",
+        ["warm_start.steps=0", "rollout.max_lag=0", "rollout.prompts_per_step=3",
          "rollout.group_size=4", "rollout.max_tokens=4", "train.steps=3", "train.lr=0.01", "run.tensorboard=false"],
     )
 

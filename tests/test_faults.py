@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rzero import ops
 from rzero.config import load_config
 from rzero.envs.arithmetic import ArithmeticEnv
 from rzero.model.presets import init_model
 from rzero.model.io import load_model
-from rzero.train import run as run_module
-from rzero.train.run import latest_checkpoint, train
-from rzero.train.trainer import Rollout, Trainer, TrainerSettings
+from rzero.run import checkpoint as checkpoint_module
+from rzero.run import loop as run_module
+from rzero.run.checkpoint import latest_checkpoint
+from rzero.run.loop import train
+from rzero.rollout.record import Rollout
+from rzero.train.trainer import Trainer, TrainerSettings
 
 
 class FlakyEnv(ArithmeticEnv):
@@ -40,13 +42,12 @@ def rows(run_dir):
 
 
 def test_nonfinite_update_is_skipped_and_counted(tmp_path):
-    ops.set_numerics("invariant")
     model_dir = init_model("tiny-dense", tmp_path / "m")
     trainer = Trainer(load_model(model_dir), torch.float32, TrainerSettings(max_lag=1))
     before = {n: p.detach().clone() for n, p in trainer.master.named_parameters()}
 
     def group(mu):
-        return [Rollout(0, [5, 6, 7], [8, 9], [mu, -1.0], [0, 0], r) for r in (1.0, 0.0)]
+        return [Rollout([5, 6, 7], [8, 9], [mu, -1.0], [0, 0], r) for r in (1.0, 0.0)]
 
     metrics = trainer.train_step([group(float("nan"))])
     assert metrics["train/skipped_updates"] == 1 and metrics["loss"] != metrics["loss"]
@@ -64,7 +65,7 @@ def test_failing_reward_function_counts_and_scores_zero(tmp_path):
 
 
 def test_full_disk_while_checkpointing_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    real_save = run_module.save_model
+    real_save = checkpoint_module.save_model
     calls = {"n": 0}
 
     def save_then_fill_disk(*args, **kwargs):
@@ -73,7 +74,7 @@ def test_full_disk_while_checkpointing_keeps_previous_checkpoint(tmp_path, monke
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(run_module, "save_model", save_then_fill_disk)
+    monkeypatch.setattr(checkpoint_module, "save_model", save_then_fill_disk)
     run_dir = tmp_path / "run"
     with pytest.raises(RuntimeError, match=r"no space left on device while writing checkpoint step 4 .*the previous checkpoint \(step_2\) is intact"):
         train(config("train.steps=6", "run.checkpoint_every=2"), run_dir, progress=False, env=FlakyEnv(),
@@ -83,7 +84,7 @@ def test_full_disk_while_checkpointing_keeps_previous_checkpoint(tmp_path, monke
     assert not list((run_dir / "checkpoints").glob(".*partial"))
     load_model(ckpt / "model")  # still a valid HF model directory
 
-    monkeypatch.setattr(run_module, "save_model", real_save)
+    monkeypatch.setattr(checkpoint_module, "save_model", real_save)
     train(config("train.steps=6", "run.checkpoint_every=2"), run_dir, resume=True, progress=False, env=FlakyEnv(),
           log=lambda *a: None)
     assert [m["step"] for m in rows(run_dir)] == list(range(6))
@@ -98,7 +99,7 @@ def quiet(*args):
 
 def test_moe_warm_start_in_bf16_handles_experts_without_gradient(tmp_path):
     """An expert no token was routed to has no gradient; the warm start used to crash on it."""
-    from rzero.train.run import prepare_base_model
+    from rzero.run.loop import prepare_base_model
 
     cfg = load_config(None, ["model.preset=tiny-moe", "model.dtype=bf16", "warm_start.steps=3", "warm_start.batch_size=2"])
     base = prepare_base_model(cfg, tmp_path, log=quiet)
@@ -106,7 +107,7 @@ def test_moe_warm_start_in_bf16_handles_experts_without_gradient(tmp_path):
 
 
 def test_diverging_warm_start_stops_with_a_clear_error(tmp_path):
-    from rzero.train.run import prepare_base_model
+    from rzero.run.loop import prepare_base_model
 
     cfg = load_config(None, ["warm_start.steps=5", "warm_start.lr=1e30", "warm_start.batch_size=2"])
     with pytest.raises(RuntimeError, match="warm start diverged"):

@@ -22,7 +22,7 @@ from rzero.envs.base import Task
 from rzero.envs.grading import astronomical, grade, verify_unbounded
 from rzero.envs.math import MathEnv, answers_match
 from rzero.eval.suite import load_suite
-from rzero.train.run import train
+from rzero.run.loop import train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "math_small.jsonl"
 SRC = str(Path(grading.__file__).resolve().parents[2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -29,14 +30,16 @@ def random_seqs(gen: torch.Generator, lengths: list[int], vocab: int) -> list[to
 
 def rzero_logits(model: Qwen3ForCausalLM, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     """fp32 logits of every position of every sequence, all packed into one forward."""
-    meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
+    meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs], row_tile=model.numerics.row_tile)
     logits = model.logits(model(torch.cat(seqs), meta))
     return list(logits.split([len(s) for s in seqs]))
 
 
 def rzero_logprobs(model: Qwen3ForCausalLM, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs])
-    logprobs = ops.log_softmax(model.logits(model(torch.cat(seqs), meta)))
+    """Full-vocabulary logprobs of every position (model-level rows; the trainer's scoring of
+    sampled tokens is Trainer.token_logprobs)."""
+    meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs], row_tile=model.numerics.row_tile)
+    logprobs = model.numerics.log_softmax(model.logits(model(torch.cat(seqs), meta)))
     return list(logprobs.split([len(s) for s in seqs]))
 
 
@@ -67,9 +70,9 @@ def assert_matches_transformers(model_dir: Path, hf_model=None, seed: int = 0) -
     vocab = read_config(model_dir)["vocab_size"]
     seqs = random_seqs(torch.Generator().manual_seed(seed), [1, 6, 17, 33, 50], vocab)
     expected = hf_logits(hf_model, seqs)
-    model = load_model(model_dir, "fp32")
     for mode in ops.NUMERICS_MODES:
-        with ops.numerics(mode), torch.no_grad():
+        model = load_model(model_dir, "fp32", numerics=mode)
+        with torch.no_grad():
             got = rzero_logits(model, seqs)
         assert all(g.dtype == torch.float32 and g.shape == e.shape for g, e in zip(got, expected))
         diff = max_diff(got, expected)
@@ -336,11 +339,14 @@ def test_error_no_weights(model_copy):
 
 def test_error_forward_input_mismatch(tiny_dense_dir):
     model = load_model(tiny_dense_dir)
-    meta, _ = AttentionMeta.for_sequences([4])
+    meta, _ = AttentionMeta.for_sequences([4], row_tile=model.numerics.row_tile)
     with pytest.raises(ValueError, match="5 input ids for an AttentionMeta of 4 tokens"):
         model(torch.zeros(5, dtype=torch.long), meta)
+    wrong_tile, _ = AttentionMeta.for_sequences([4], row_tile=1)  # built for standard numerics
+    with pytest.raises(ValueError, match="invariant numerics pads to a multiple of 16"):
+        model(torch.zeros(4, dtype=torch.long), wrong_tile)
     too_long = model.config.max_position_embeddings + 1
-    meta, _ = AttentionMeta.for_sequences([too_long])
+    meta, _ = AttentionMeta.for_sequences([too_long], row_tile=model.numerics.row_tile)
     with pytest.raises(ValueError, match="beyond max_position_embeddings"):
         model(torch.zeros(too_long, dtype=torch.long), meta)
 
@@ -382,13 +388,12 @@ def test_logprobs_invariant_to_batch_composition(get_model, preset, dtype, data)
     others = random_seqs(gen, other_lens, vocab)
     pos = data.draw(st.integers(0, len(others)), label="position")
     batch = others[:pos] + [target] + others[pos:]
-    with ops.numerics("invariant"):
-        with torch.no_grad():
-            alone = rzero_logprobs(model, [target])[0]
-            packed = rzero_logprobs(model, batch)
-        assert all(p.requires_grad for p in model.parameters())
-        with torch.enable_grad():
-            trained = rzero_logprobs(model, batch)
+    with torch.no_grad():
+        alone = rzero_logprobs(model, [target])[0]
+        packed = rzero_logprobs(model, batch)
+    assert all(p.requires_grad for p in model.parameters())
+    with torch.enable_grad():
+        trained = rzero_logprobs(model, batch)
     assert alone.dtype == torch.float32 and alone.shape == (len(target), vocab)
     assert torch.equal(alone, packed[pos]), f"packed vs alone: {(alone - packed[pos]).abs().max().item()}"
     assert trained[pos].requires_grad
@@ -402,13 +407,12 @@ def test_autograd_forward_backward(get_model, preset):
     model = get_model(preset, "fp32")
     gen = torch.Generator().manual_seed(9)
     seqs = random_seqs(gen, [12, 30, 5], model.config.vocab_size)
-    with ops.numerics("invariant"):
-        with torch.no_grad():
-            ref = rzero_logprobs(model, seqs)
-        model.zero_grad(set_to_none=True)
-        lp = rzero_logprobs(model, seqs)
-        chosen = torch.cat([l[:-1].gather(-1, s[1:, None]) for l, s in zip(lp, seqs)])
-        (-chosen.mean()).backward()
+    with torch.no_grad():
+        ref = rzero_logprobs(model, seqs)
+    model.zero_grad(set_to_none=True)
+    lp = rzero_logprobs(model, seqs)
+    chosen = torch.cat([l[:-1].gather(-1, s[1:, None]) for l, s in zip(lp, seqs)])
+    (-chosen.mean()).backward()
     assert all(torch.equal(a.detach(), b) for a, b in zip(lp, ref))
     grads = {n: p.grad for n, p in model.named_parameters()}
     # Every parameter gets a gradient, except MoE experts that no token was routed to.
@@ -428,11 +432,12 @@ def test_standard_logprobs_depend_on_batch_composition(get_model, preset):
     short sequence (3 tokens: M = 3 alone, M >= 4 packed), like a decode step or a short prompt;
     a long dense sequence scored alone and packed can agree bit for bit even in standard mode.
     """
-    model = get_model(preset, "fp32")
+    model = copy.deepcopy(get_model(preset, "fp32"))  # the shared model stays invariant
+    model.numerics = ops.STANDARD
     gen = torch.Generator().manual_seed(0)
     target = random_seqs(gen, [3], model.config.vocab_size)[0]
     diffs = []
-    with ops.numerics("standard"), torch.no_grad():
+    with torch.no_grad():
         alone = rzero_logprobs(model, [target])[0]
         for lens, pos in [([7], 1), ([3, 40, 9], 2), ([1, 1, 1], 0)]:
             others = random_seqs(gen, lens, model.config.vocab_size)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rzero import ops
-from rzero.ops import ATTN_BLOCK, AttentionMeta, SamplingTransform, sample_tokens, transformed_logprobs
+from rzero.ops import ATTN_BLOCK, INVARIANT, AttentionMeta, SamplingTransform
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,11 +70,11 @@ def test_invariant_linear_rows_are_batch_invariant(data, K, N, dtype):
     weight = randn(gen, N, K, dtype=dt, scale=0.1)
     row = randn(gen, K, dtype=dt)
     batch = embed_row(row, rows, pos, gen)
-    with ops.numerics("invariant"):
-        alone = ops.linear(row[None], weight)[0]
-        in_batch = ops.linear(batch, weight)[pos]
-        # Leading dims are flattened: a 3-d input gives the same row.
-        as_3d = ops.linear(batch[None], weight)[0, pos]
+    nx = ops.INVARIANT
+    alone = nx.linear(row[None], weight)[0]
+    in_batch = nx.linear(batch, weight)[pos]
+    # Leading dims are flattened: a 3-d input gives the same row.
+    as_3d = nx.linear(batch[None], weight)[0, pos]
     assert alone.dtype == dt and alone.shape == (N,)
     diff = (alone.float() - in_batch.float()).abs().max()
     assert torch.equal(alone, in_batch), f"rows={rows} pos={pos}: max diff {diff}"
@@ -117,23 +117,23 @@ def test_stock_bf16_linear_changes_grouping_with_row_count():
 def test_invariant_linear_grouping_probe_over_row_counts_and_threads(K, N):
     x, weight = grouping_probe(512, K, N, seed=K * N)
     threads = torch.get_num_threads()
-    with ops.numerics("invariant"):
-        first = ops.linear(x[:16], weight)
-        try:
-            for t in sorted({1, threads}):
-                torch.set_num_threads(t)
-                for m in (1, 5, 16, 48, 96, 128, 160, 512):
-                    got = ops.linear(x[:m], weight)[: min(m, 16)]
-                    assert torch.equal(got, first[: min(m, 16)]), f"{K}x{N}: rows={m} threads={t}"
-        finally:
-            torch.set_num_threads(threads)
+    nx = ops.INVARIANT
+    first = nx.linear(x[:16], weight)
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for m in (1, 5, 16, 48, 96, 128, 160, 512):
+                got = nx.linear(x[:m], weight)[: min(m, 16)]
+                assert torch.equal(got, first[: min(m, 16)]), f"{K}x{N}: rows={m} threads={t}"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_invariant_linear_close_to_stock():
     gen = torch.Generator().manual_seed(1)
     weight, x = randn(gen, 96, 128), randn(gen, 37, 128)
-    with ops.numerics("invariant"):
-        out = ops.linear(x, weight)
+    nx = ops.INVARIANT
+    out = nx.linear(x, weight)
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
@@ -142,9 +142,9 @@ def test_invariant_linear_close_to_stock():
 # ---------------------------------------------------------------------------------------------
 
 ROW_OPS = {
-    "rms_norm": lambda x, w: ops.rms_norm(x, w, 1e-6),
-    "log_softmax": lambda x, w: ops.log_softmax(x),
-    "softmax": lambda x, w: ops.softmax(x),
+    "rms_norm": lambda nx, x, w: nx.rms_norm(x, w, 1e-6),
+    "log_softmax": lambda nx, x, w: nx.log_softmax(x),
+    "softmax": lambda nx, x, w: nx.softmax(x),
 }
 
 
@@ -162,9 +162,9 @@ def test_invariant_row_ops_are_batch_invariant(data, op, width, dtype):
     row = randn(gen, width, dtype=dt, scale=3.0)
     batch = embed_row(row, rows, pos, gen, scale=3.0)
     fn = ROW_OPS[op]
-    with ops.numerics("invariant"):
-        alone = fn(row[None], weight)[0]
-        in_batch = fn(batch, weight)[pos]
+    nx = ops.INVARIANT
+    alone = fn(nx, row[None], weight)[0]
+    in_batch = fn(nx, batch, weight)[pos]
     assert torch.equal(alone, in_batch), f"{op} rows={rows} pos={pos}"
     if op != "rms_norm":
         assert alone.dtype == torch.float32  # log_softmax / softmax compute and return fp32
@@ -181,11 +181,11 @@ def test_invariant_row_ops_long_row(op, width):
         gen = torch.Generator().manual_seed(seed)
         row = randn(gen, width, scale=4.0)
         weight = 1 + randn(gen, width, scale=0.1)
-        with ops.numerics("invariant"):
-            alone = fn(row[None], weight)[0]
-            for rows, pos in [(2, 1), (4, 0)] + ([(17, 9)] if seed == 0 else []):
-                batched = fn(embed_row(row, rows, pos, gen, scale=4.0), weight)[pos]
-                assert torch.equal(alone, batched), (seed, rows, pos)
+        nx = ops.INVARIANT
+        alone = fn(nx, row[None], weight)[0]
+        for rows, pos in [(2, 1), (4, 0)] + ([(17, 9)] if seed == 0 else []):
+            batched = fn(nx, embed_row(row, rows, pos, gen, scale=4.0), weight)[pos]
+            assert torch.equal(alone, batched), (seed, rows, pos)
     if op != "rms_norm":
         total = alone.exp().sum() if op == "log_softmax" else alone.sum()
         assert abs(total.item() - 1.0) < 1e-3
@@ -201,9 +201,9 @@ def test_stock_rms_norm_long_row_is_not_batch_invariant():
         gen = torch.Generator().manual_seed(seed)
         for width in (70000, 100000):
             row, weight = randn(gen, width, scale=4.0), torch.ones(width)
-            with ops.numerics("standard"):
-                alone = ops.rms_norm(row[None], weight, 1e-6)[0]
-                batched = ops.rms_norm(embed_row(row, 3, 0, gen, scale=4.0), weight, 1e-6)[0]
+            nx = ops.STANDARD
+            alone = nx.rms_norm(row[None], weight, 1e-6)[0]
+            batched = nx.rms_norm(embed_row(row, 3, 0, gen, scale=4.0), weight, 1e-6)[0]
             differs.append(not torch.equal(alone, batched))
         if any(differs):
             break
@@ -222,10 +222,10 @@ def test_invariant_silu_mul_odd_sizes(data, width, dtype):
     dt = DTYPES[dtype]
     g_row, u_row = randn(gen, width, dtype=dt, scale=3.0), randn(gen, width, dtype=dt)
     gate, up = embed_row(g_row, rows, pos, gen, scale=3.0), embed_row(u_row, rows, pos, gen)
-    with ops.numerics("invariant"):
-        alone = ops.silu_mul(g_row[None], u_row[None])[0]
-        in_batch = ops.silu_mul(gate, up)[pos]
-        flat = ops.silu_mul(g_row, u_row)  # 1-d input, no row dimension at all
+    nx = ops.INVARIANT
+    alone = nx.silu_mul(g_row[None], u_row[None])[0]
+    in_batch = nx.silu_mul(gate, up)[pos]
+    flat = nx.silu_mul(g_row, u_row)  # 1-d input, no row dimension at all
     assert torch.equal(alone, in_batch), f"width={width} rows={rows} pos={pos}"
     assert torch.equal(alone, flat)
     torch.testing.assert_close(alone.float(), (F.silu(g_row.float()) * u_row.float()), rtol=2e-2, atol=1e-2)
@@ -235,7 +235,7 @@ def test_apply_rotary_is_rotate_half():
     gen = torch.Generator().manual_seed(3)
     x, angle = randn(gen, 5, 2, 8), randn(gen, 5, 1, 4)
     cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
-    out = ops.apply_rotary(x, cos, sin)
+    out = ops.INVARIANT.apply_rotary(x, cos, sin)
     x1, x2 = x[..., :4], x[..., 4:]
     expected = torch.cat((x1 * cos[..., :4] - x2 * sin[..., :4], x2 * cos[..., 4:] + x1 * sin[..., 4:]), -1)
     torch.testing.assert_close(out, expected)
@@ -264,8 +264,10 @@ class PagedRun:
     """Drives ops.attention like an engine: a paged cache full of stale garbage, per-sequence block
     tables, and steps made of (sequence, start, length) chunks. Collects each token's output."""
 
-    def __init__(self, seqs: list[Seq], tables: list[list[int]] | None, gen: torch.Generator, num_blocks=None):
-        self.seqs = seqs
+    def __init__(
+        self, seqs: list[Seq], tables: list[list[int]] | None, gen: torch.Generator, num_blocks=None, nx=ops.INVARIANT
+    ):
+        self.seqs, self.nx = seqs, nx
         if tables is None:  # consecutive private blocks, like AttentionMeta.for_sequences
             tables, nxt = [], 0
             for s in seqs:
@@ -284,7 +286,9 @@ class PagedRun:
     def step(self, chunks: list[tuple[int, int, int]]) -> None:
         # A growing sequence's table only holds the blocks it needs so far (as an engine allocates).
         tables = [self.tables[i][: blocks_for(start + n)] for i, start, n in chunks]
-        meta = AttentionMeta.build([n for _, _, n in chunks], [start for _, start, _ in chunks], tables)
+        meta = AttentionMeta.build(
+            [n for _, _, n in chunks], [start for _, start, _ in chunks], tables, row_tile=self.nx.row_tile
+        )
         q = torch.cat([self.seqs[i].q[s : s + n] for i, s, n in chunks])
         k = torch.cat([self.seqs[i].k[s : s + n] for i, s, n in chunks])
         v = torch.cat([self.seqs[i].v[s : s + n] for i, s, n in chunks])
@@ -292,7 +296,7 @@ class PagedRun:
         # The caller writes the query tokens' own keys and values first (model/qwen3.py Attention).
         self.k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping] = k
         self.v_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping] = v
-        out = ops.attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.nx.attention(q, self.k_cache, self.v_cache, meta, self.scale)
         assert out.shape[0] == meta.padded_tokens and out.dtype == q.dtype
         row = 0
         for i, s, n in chunks:
@@ -304,12 +308,12 @@ class PagedRun:
         return self
 
 
-def solo_prefill(seq: Seq, gen: torch.Generator) -> torch.Tensor:
-    return PagedRun([seq], None, gen).prefill_all().out[0]
+def solo_prefill(seq: Seq, gen: torch.Generator, nx=ops.INVARIANT) -> torch.Tensor:
+    return PagedRun([seq], None, gen, nx=nx).prefill_all().out[0]
 
 
-def decode_token_by_token(seq: Seq, gen: torch.Generator, tables=None) -> torch.Tensor:
-    run = PagedRun([seq], tables, gen)
+def decode_token_by_token(seq: Seq, gen: torch.Generator, tables=None, nx=ops.INVARIANT) -> torch.Tensor:
+    run = PagedRun([seq], tables, gen, nx=nx)
     for t in range(seq.length):
         run.step([(0, t, 1)])
     return run.out[0]
@@ -364,13 +368,12 @@ def test_invariant_attention_prefill_decode_chunked(data, shape):
     """(a) full prefill == (b) token-by-token decode == (c) chunked prefill, bit for bit."""
     seq = draw_seq(data, shape, 56, "seq")
     gen = torch.Generator().manual_seed(0)
-    with ops.numerics("invariant"):
-        full = solo_prefill(seq, gen)
-        assert_same(full, decode_token_by_token(seq, gen), "decode vs prefill")
-        for sizes in ([3], [ATTN_BLOCK], [5, 16, 7], [ATTN_BLOCK + 1]):
-            assert_same(full, chunked(seq, sizes, gen), f"chunks {sizes} vs prefill")
-        drawn = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=4), label="chunk sizes")
-        assert_same(full, chunked(seq, drawn, gen), f"chunks {drawn} vs prefill")
+    full = solo_prefill(seq, gen)
+    assert_same(full, decode_token_by_token(seq, gen), "decode vs prefill")
+    for sizes in ([3], [ATTN_BLOCK], [5, 16, 7], [ATTN_BLOCK + 1]):
+        assert_same(full, chunked(seq, sizes, gen), f"chunks {sizes} vs prefill")
+    drawn = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=4), label="chunk sizes")
+    assert_same(full, chunked(seq, drawn, gen), f"chunks {drawn} vs prefill")
     expected = reference_attention(seq)
     tol = 1e-5 if seq.q.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(full.double(), expected, rtol=tol, atol=tol)
@@ -387,20 +390,19 @@ def test_invariant_attention_batch_composition(data, shape):
     pos = data.draw(st.integers(0, n_others), label="position")
     seqs = others[:pos] + [target] + others[pos:]
     gen = torch.Generator().manual_seed(1)
-    with ops.numerics("invariant"):
-        alone = solo_prefill(target, gen)
-        solos = [solo_prefill(s, gen) for s in seqs]
-        packed = PagedRun(seqs, None, gen).prefill_all()
-        # Shuffled blocks drawn from a larger pool (free blocks in between, block ids out of order).
-        need = sum(blocks_for(s.length) for s in seqs)
-        pool = list(range(2 * need + 3))
-        random.Random(data.draw(st.integers(0, 10**6), label="shuffle")).shuffle(pool)
-        tables, used = [], 0
-        for s in seqs:
-            tables.append(pool[used : used + blocks_for(s.length)])
-            used += blocks_for(s.length)
-        shuffled = PagedRun(seqs, tables, gen, num_blocks=len(pool)).prefill_all()
-        shuffled_decode = decode_token_by_token(target, gen, tables=[pool[: blocks_for(target.length)]])
+    alone = solo_prefill(target, gen)
+    solos = [solo_prefill(s, gen) for s in seqs]
+    packed = PagedRun(seqs, None, gen).prefill_all()
+    # Shuffled blocks drawn from a larger pool (free blocks in between, block ids out of order).
+    need = sum(blocks_for(s.length) for s in seqs)
+    pool = list(range(2 * need + 3))
+    random.Random(data.draw(st.integers(0, 10**6), label="shuffle")).shuffle(pool)
+    tables, used = [], 0
+    for s in seqs:
+        tables.append(pool[used : used + blocks_for(s.length)])
+        used += blocks_for(s.length)
+    shuffled = PagedRun(seqs, tables, gen, num_blocks=len(pool)).prefill_all()
+    shuffled_decode = decode_token_by_token(target, gen, tables=[pool[: blocks_for(target.length)]])
     assert_same(alone, packed.out[pos], "packed vs alone")
     assert_same(alone, shuffled.out[pos], "shuffled blocks vs alone")
     assert_same(alone, shuffled_decode, "decode through shuffled blocks vs alone")
@@ -423,22 +425,21 @@ def test_invariant_attention_continuous_batching(data, shape):
         tables.append(pool[used : used + blocks_for(s.length)])
         used += blocks_for(s.length)
     gen = torch.Generator().manual_seed(2)
-    with ops.numerics("invariant"):
-        solos = [solo_prefill(s, gen) for s in seqs]
-        run = PagedRun(seqs, tables, gen, num_blocks=len(pool))
-        done = [0] * n
-        while any(d < s.length for d, s in zip(done, seqs)):
-            active = [i for i in range(n) if done[i] < seqs[i].length and rng.random() < 0.8]
-            if not active:
-                continue
-            rng.shuffle(active)
-            chunks = []
-            for i in active:
-                size = 1 if rng.random() < 0.5 else rng.randint(1, 20)
-                size = min(size, seqs[i].length - done[i])
-                chunks.append((i, done[i], size))
-                done[i] += size
-            run.step(chunks)
+    solos = [solo_prefill(s, gen) for s in seqs]
+    run = PagedRun(seqs, tables, gen, num_blocks=len(pool))
+    done = [0] * n
+    while any(d < s.length for d, s in zip(done, seqs)):
+        active = [i for i in range(n) if done[i] < seqs[i].length and rng.random() < 0.8]
+        if not active:
+            continue
+        rng.shuffle(active)
+        chunks = []
+        for i in active:
+            size = 1 if rng.random() < 0.5 else rng.randint(1, 20)
+            size = min(size, seqs[i].length - done[i])
+            chunks.append((i, done[i], size))
+            done[i] += size
+        run.step(chunks)
     for i in range(n):
         assert_same(solos[i], run.out[i], f"sequence {i}")
 
@@ -449,8 +450,8 @@ def test_standard_attention_prefill_vs_decode_differs():
     for seed, (group, kv_heads, head_dim, length) in enumerate([(2, 2, 64, 40), (4, 1, 32, 33), (1, 2, 16, 50)]):
         gen = torch.Generator().manual_seed(seed)
         seq = Seq(gen, length, group * kv_heads, kv_heads, head_dim, torch.float32)
-        with ops.numerics("standard"):
-            full, dec = solo_prefill(seq, gen), decode_token_by_token(seq, gen)
+        nx = ops.STANDARD
+        full, dec = solo_prefill(seq, gen, nx=nx), decode_token_by_token(seq, gen, nx=nx)
         torch.testing.assert_close(full, dec, rtol=1e-4, atol=1e-5)  # same math, different bits
         diffs.append((full - dec).abs().max().item())
     assert max(diffs) > 0, f"stock attention happened to be prefill/decode invariant: {diffs}"
@@ -459,35 +460,32 @@ def test_standard_attention_prefill_vs_decode_differs():
 def test_standard_attention_matches_invariant_values():
     gen = torch.Generator().manual_seed(5)
     seqs = [Seq(gen, n, 4, 2, 32, torch.float32) for n in (7, 23, 40)]
-    with ops.numerics("standard"):
-        std = PagedRun(seqs, None, gen).prefill_all().out
-    with ops.numerics("invariant"):
-        inv = PagedRun(seqs, None, gen).prefill_all().out
+    std = PagedRun(seqs, None, gen, nx=ops.STANDARD).prefill_all().out
+    inv = PagedRun(seqs, None, gen, nx=ops.INVARIANT).prefill_all().out
     for a, b in zip(std, inv):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_attention_meta_rejects_bad_input():
     with pytest.raises(ValueError, match="same sequences"):
-        AttentionMeta.build([1, 2], [0], [[0]])
+        AttentionMeta.build([1, 2], [0], [[0]], row_tile=1)
     with pytest.raises(ValueError, match="no query tokens"):
-        AttentionMeta.build([0], [0], [[0]])
+        AttentionMeta.build([0], [0], [[0]], row_tile=1)
     with pytest.raises(ValueError, match="cannot hold"):
-        AttentionMeta.build([ATTN_BLOCK + 1], [0], [[0]])
+        AttentionMeta.build([ATTN_BLOCK + 1], [0], [[0]], row_tile=1)
 
 
 def test_attention_meta_for_sequences_layout():
-    with ops.numerics("invariant"):
-        meta, blocks = AttentionMeta.for_sequences([3, ATTN_BLOCK, ATTN_BLOCK + 1])
+    nx = ops.INVARIANT
+    meta, blocks = AttentionMeta.for_sequences([3, ATTN_BLOCK, ATTN_BLOCK + 1], row_tile=nx.row_tile)
     assert blocks == meta.num_blocks == 4
     assert meta.num_tokens == 3 + 2 * ATTN_BLOCK + 1
-    assert meta.padded_tokens % ops.ROW_TILE == 0 and meta.padded_tokens >= meta.num_tokens
+    assert meta.padded_tokens % nx.row_tile == 0 and meta.padded_tokens >= meta.num_tokens
     expected_positions = list(range(3)) + list(range(ATTN_BLOCK)) + list(range(ATTN_BLOCK + 1))
     assert meta.positions[: meta.num_tokens].tolist() == expected_positions
     assert meta.slot_mapping.tolist() == [0, 1, 2] + [ATTN_BLOCK + i for i in range(2 * ATTN_BLOCK + 1)]
     assert not meta.is_decode
-    with ops.numerics("standard"):
-        meta, _ = AttentionMeta.for_sequences([3, 5])
+    meta, _ = AttentionMeta.for_sequences([3, 5], row_tile=ops.STANDARD.row_tile)
     assert meta.padded_tokens == 8
 
 
@@ -505,9 +503,9 @@ def test_moe_route_ties_break_toward_lower_expert():
             [-1.0, 7.0, -1.0, 7.0, -1.0],
         ]
     )
-    with ops.numerics("invariant"):
-        weights, experts = ops.moe_route(logits, 2, normalize=True)
-        raw_w, raw_e = ops.moe_route(logits, 3, normalize=False)
+    nx = ops.INVARIANT
+    weights, experts = nx.moe_route(logits, 2, normalize=True)
+    raw_w, raw_e = nx.moe_route(logits, 3, normalize=False)
     assert experts.tolist() == [[1, 2], [0, 1], [2, 0], [1, 3]]
     assert raw_e.tolist() == [[1, 2, 4], [0, 1, 2], [2, 0, 3], [1, 3, 0]]
     assert weights.dtype == torch.float32
@@ -516,11 +514,11 @@ def test_moe_route_ties_break_toward_lower_expert():
     # Unnormalised weights are the softmax probabilities of the chosen experts.
     torch.testing.assert_close(raw_w, torch.softmax(logits, -1).gather(-1, raw_e))
     # A tie row keeps its choice whatever else is in the batch.
-    with ops.numerics("invariant"):
-        for rows in (1, 3, 17, 40):
-            gen = torch.Generator().manual_seed(rows)
-            batch = embed_row(logits[0], rows, rows - 1, gen)
-            assert ops.moe_route(batch, 2, True)[1][rows - 1].tolist() == [1, 2]
+    nx = ops.INVARIANT
+    for rows in (1, 3, 17, 40):
+        gen = torch.Generator().manual_seed(rows)
+        batch = embed_row(logits[0], rows, rows - 1, gen)
+        assert nx.moe_route(batch, 2, True)[1][rows - 1].tolist() == [1, 2]
 
 
 @FAST
@@ -538,9 +536,9 @@ def test_moe_route_is_batch_invariant(data, num_experts, top_k, normalize, dtype
     row = (torch.randint(-8, 8, (num_experts,), generator=gen) / 4).to(dt)
     batch = (torch.randint(-8, 8, (rows, num_experts), generator=gen) / 4).to(dt)
     batch[pos] = row
-    with ops.numerics("invariant"):
-        w1, e1 = ops.moe_route(row[None], top_k, normalize)
-        wb, eb = ops.moe_route(batch, top_k, normalize)
+    nx = ops.INVARIANT
+    w1, e1 = nx.moe_route(row[None], top_k, normalize)
+    wb, eb = nx.moe_route(batch, top_k, normalize)
     assert torch.equal(e1[0], eb[pos]) and torch.equal(w1[0], wb[pos])
     assert w1.dtype == torch.float32 and e1.shape == (1, top_k)
     assert len(set(e1[0].tolist())) == top_k
@@ -558,17 +556,17 @@ def test_moe_combine_fixed_left_to_right_order(dtype):
     gen = torch.Generator().manual_seed(7)
     outputs = randn(gen, 33, 4, 24, dtype=dt)
     weights = torch.softmax(randn(gen, 33, 4), -1)
-    with ops.numerics("invariant"):
-        combined = ops.moe_combine(outputs, weights)
-        alone = ops.moe_combine(outputs[5:6], weights[5:6])
+    nx = ops.INVARIANT
+    combined = nx.moe_combine(outputs, weights)
+    alone = nx.moe_combine(outputs[5:6], weights[5:6])
     w = weights.to(dt)
     expected = outputs[:, 0] * w[:, :1]
     for slot in (1, 2, 3):
         expected = expected + outputs[:, slot] * w[:, slot : slot + 1]
     assert combined.dtype == dt and torch.equal(combined, expected)
     assert torch.equal(alone[0], combined[5])
-    with ops.numerics("standard"):
-        torch.testing.assert_close(ops.moe_combine(outputs, weights).float(), combined.float(), rtol=2e-2, atol=2e-2)
+    nx = ops.STANDARD
+    torch.testing.assert_close(nx.moe_combine(outputs, weights).float(), combined.float(), rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,43 +584,43 @@ def test_transformed_logprobs_hand_example():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     plain = torch.log_softmax(logits, -1)
     # Identity transform and greedy (temperature 0 is scored under temperature 1).
-    torch.testing.assert_close(transformed_logprobs(logits, SamplingTransform()), plain)
-    torch.testing.assert_close(transformed_logprobs(logits, SamplingTransform(temperature=0.0)), plain)
+    torch.testing.assert_close(INVARIANT.transformed_logprobs(logits, SamplingTransform()), plain)
+    torch.testing.assert_close(INVARIANT.transformed_logprobs(logits, SamplingTransform(temperature=0.0)), plain)
     # Temperature divides the logits.
     torch.testing.assert_close(
-        transformed_logprobs(logits, SamplingTransform(temperature=2.0)), torch.log_softmax(logits / 2, -1)
+        INVARIANT.transformed_logprobs(logits, SamplingTransform(temperature=2.0)), torch.log_softmax(logits / 2, -1)
     )
     # top-k keeps the k largest and renormalises.
-    lp = transformed_logprobs(logits, SamplingTransform(top_k=2))[0]
+    lp = INVARIANT.transformed_logprobs(logits, SamplingTransform(top_k=2))[0]
     assert kept(lp) == [0, 1]
     torch.testing.assert_close(lp[:2], torch.log_softmax(torch.tensor([2.0, 1.0]), -1))
-    assert transformed_logprobs(logits, SamplingTransform(top_k=5)).isfinite().all()  # k == V: no-op
-    assert transformed_logprobs(logits, SamplingTransform(top_k=50)).isfinite().all()  # k > V: no-op
+    assert INVARIANT.transformed_logprobs(logits, SamplingTransform(top_k=5)).isfinite().all()  # k == V: no-op
+    assert INVARIANT.transformed_logprobs(logits, SamplingTransform(top_k=50)).isfinite().all()  # k > V: no-op
     # top-k ties at the k-th value are all kept.
-    assert kept(transformed_logprobs(torch.tensor([[3.0, 2.0, 2.0, 1.0]]), SamplingTransform(top_k=2))[0]) == [0, 1, 2]
+    assert kept(INVARIANT.transformed_logprobs(torch.tensor([[3.0, 2.0, 2.0, 1.0]]), SamplingTransform(top_k=2))[0]) == [0, 1, 2]
 
 
 def test_transformed_logprobs_top_p():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     logits = probs.log()
     # sorted: 0.5 (1), 0.3 (3), 0.15 (2), 0.05 (0); mass before: 0, 0.5, 0.8, 0.95
-    assert kept(transformed_logprobs(logits, SamplingTransform(top_p=0.4))[0]) == [1]
-    assert kept(transformed_logprobs(logits, SamplingTransform(top_p=0.6))[0]) == [1, 3]
-    assert kept(transformed_logprobs(logits, SamplingTransform(top_p=0.85))[0]) == [1, 2, 3]
-    assert kept(transformed_logprobs(logits, SamplingTransform(top_p=1.0))[0]) == [0, 1, 2, 3]
-    assert kept(transformed_logprobs(logits, SamplingTransform(top_p=1e-6))[0]) == [1]  # at least one
-    lp = transformed_logprobs(logits, SamplingTransform(top_p=0.6))[0]
+    assert kept(INVARIANT.transformed_logprobs(logits, SamplingTransform(top_p=0.4))[0]) == [1]
+    assert kept(INVARIANT.transformed_logprobs(logits, SamplingTransform(top_p=0.6))[0]) == [1, 3]
+    assert kept(INVARIANT.transformed_logprobs(logits, SamplingTransform(top_p=0.85))[0]) == [1, 2, 3]
+    assert kept(INVARIANT.transformed_logprobs(logits, SamplingTransform(top_p=1.0))[0]) == [0, 1, 2, 3]
+    assert kept(INVARIANT.transformed_logprobs(logits, SamplingTransform(top_p=1e-6))[0]) == [1]  # at least one
+    lp = INVARIANT.transformed_logprobs(logits, SamplingTransform(top_p=0.6))[0]
     torch.testing.assert_close(lp[[1, 3]], torch.tensor([0.5 / 0.8, 0.3 / 0.8]).log())
     # Ties in probability go to the lower token id (stable sort).
     tie = torch.tensor([[0.3, 0.4, 0.3]]).log()
-    assert kept(transformed_logprobs(tie, SamplingTransform(top_p=0.6))[0]) == [0, 1]
+    assert kept(INVARIANT.transformed_logprobs(tie, SamplingTransform(top_p=0.6))[0]) == [0, 1]
     # Temperature first, then top-k, then top-p on the renormalised truncated distribution.
     logits2 = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     t = SamplingTransform(temperature=0.5, top_k=3, top_p=0.9)
     x = logits2 / 0.5
     p = torch.softmax(x[:, :3], -1)[0]  # top-3 of the tempered logits
     assert p[0] < 0.9 <= p[0] + p[1]
-    lp = transformed_logprobs(logits2, t)[0]
+    lp = INVARIANT.transformed_logprobs(logits2, t)[0]
     assert kept(lp) == [0, 1]
     torch.testing.assert_close(lp[:2], torch.log_softmax(x[0, :2], -1))
 
@@ -656,9 +654,8 @@ def test_transformed_logprobs_is_normalized_distribution(seed, vocab, temperatur
     gen = torch.Generator().manual_seed(seed)
     logits = randn(gen, 6, vocab, dtype=DTYPES[dtype], scale=3.0)
     t = SamplingTransform(temperature=temperature, top_k=top_k, top_p=top_p)
-    with ops.numerics("invariant"):
-        lp = transformed_logprobs(logits, t)
-        alone = transformed_logprobs(logits[2:3], t)
+    lp = INVARIANT.transformed_logprobs(logits, t)
+    alone = INVARIANT.transformed_logprobs(logits[2:3], t)
     assert lp.dtype == torch.float32 and lp.shape == logits.shape
     assert torch.equal(alone[0], lp[2])  # the transform is per row, bit for bit
     assert not torch.isnan(lp).any() and (lp <= 1e-6).all()
@@ -684,28 +681,28 @@ def test_sample_tokens_depend_only_on_row_seed():
         gens = [torch.Generator().manual_seed(1000 + r) for r in range(rows)]
         gens[pos] = torch.Generator().manual_seed(42)
         greedy = [r % 3 == 1 and r != pos for r in range(rows)]
-        out = sample_tokens(batch, greedy, gens)
+        out = INVARIANT.sample_tokens(batch, greedy, gens)
         tokens.append(int(out[pos]))
         for r in range(rows):
             if greedy[r]:
                 assert out[r] == batch[r].argmax()
     assert len(set(tokens)) == 1, tokens
     # A stream of draws from one seed is also reproducible.
-    a = [int(sample_tokens(target[None], [False], [g])[0]) for g in [torch.Generator().manual_seed(3)] * 20]
-    b = [int(sample_tokens(target[None], [False], [g])[0]) for g in [torch.Generator().manual_seed(3)] * 20]
+    a = [int(INVARIANT.sample_tokens(target[None], [False], [g])[0]) for g in [torch.Generator().manual_seed(3)] * 20]
+    b = [int(INVARIANT.sample_tokens(target[None], [False], [g])[0]) for g in [torch.Generator().manual_seed(3)] * 20]
     assert a == b and len(set(a)) > 1
-    assert int(sample_tokens(target[None], [True], [None])[0]) == int(target.argmax())
+    assert int(INVARIANT.sample_tokens(target[None], [True], [None])[0]) == int(target.argmax())
 
 
 def test_sample_tokens_frequencies_match_distribution():
     """Empirical frequencies of Gumbel-max sampling match exp(logprobs) (chi-square, fixed seed);
     tokens masked by the transform are never drawn."""
     logits = torch.tensor([[1.5, 0.2, -0.3, 1.0, -2.0, 0.7, -5.0, 0.0]])
-    lp = transformed_logprobs(logits, SamplingTransform(temperature=0.9, top_k=6))
+    lp = INVARIANT.transformed_logprobs(logits, SamplingTransform(temperature=0.9, top_k=6))
     probs = lp.exp()[0]
     n = 20000
     gen = torch.Generator().manual_seed(1234)
-    draws = sample_tokens(lp.expand(n, -1), [False] * n, [gen] * n)
+    draws = INVARIANT.sample_tokens(lp.expand(n, -1), [False] * n, [gen] * n)
     counts = torch.bincount(draws, minlength=8).double()
     allowed = torch.isfinite(lp[0])
     assert counts[~allowed].sum() == 0
@@ -731,11 +728,13 @@ def test_bucketed_attention_equals_one_padded_matmul(data, shape):
         chunks.append((i, start, data.draw(st.integers(1, s.length - start), label=f"len{i}")))
     run = PagedRun(seqs, None, torch.Generator().manual_seed(2))
     tables = [run.tables[i][: blocks_for(start + n)] for i, start, n in chunks]
-    meta = AttentionMeta.build([n for _, _, n in chunks], [start for _, start, _ in chunks], tables)
+    meta = AttentionMeta.build(
+        [n for _, _, n in chunks], [start for _, start, _ in chunks], tables, row_tile=INVARIANT.row_tile
+    )
     q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
-    with ops.numerics("invariant"):
-        bucketed = ops.attention(q, run.k_cache, run.v_cache, meta, run.scale)
-        single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
+    nx = INVARIANT
+    bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
+    single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[: meta.num_tokens], single[: meta.num_tokens])
 
 
@@ -746,10 +745,10 @@ def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
     seqs = [Seq(gen, 60, 4, 2, 32, torch.float32), Seq(gen, 20, 4, 2, 32, torch.float32)]
     run = PagedRun(seqs, None, gen)
     chunks = [(0, 59, 1), (1, 0, 20)]  # a decode at position 59 next to a 20-token prefill
-    meta = AttentionMeta.build([1, 20], [59, 0], [run.tables[0], run.tables[1]])
+    meta = AttentionMeta.build([1, 20], [59, 0], [run.tables[0], run.tables[1]], row_tile=INVARIANT.row_tile)
     q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
-    with ops.numerics("invariant"):
-        assert len(invariant._buckets(meta)) == 2
-        bucketed = ops.attention(q, run.k_cache, run.v_cache, meta, run.scale)
-        single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
+    nx = INVARIANT
+    assert len(invariant._buckets(meta)) == 2
+    bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
+    single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[:21], single[:21])

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import uvicorn
 
-from rzero import cli, ops
+from rzero import cli
 from rzero.engine import Engine, SamplingParams
 from rzero.engine.sequence import StepOutput
 from rzero.model.io import load_model
@@ -511,7 +511,7 @@ def tool_base_url(model_dir, template):
     model = load_model(model_dir, "fp32")
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     tokens, targets = torch.tensor(prompt + target), torch.tensor(target)
-    meta, _ = AttentionMeta.for_sequences([len(tokens)])
+    meta, _ = AttentionMeta.for_sequences([len(tokens)], row_tile=model.numerics.row_tile)
     for _ in range(300):  # until greedy decoding reproduces the answer (about 130 steps)
         logits = model.logits(model(tokens, meta))[len(prompt) - 1 : -1]
         if torch.equal(logits.argmax(-1), targets):
@@ -596,11 +596,12 @@ def test_same_request_alone_and_in_busy_batch_is_bitwise_identical(base_url, eng
     assert in_batch.message.content == alone.message.content
 
 
-def test_standard_numerics_negative_control(base_url, engine):
+def test_standard_numerics_negative_control(model_dir, template):
     """Under standard numerics the same comparison sees batch composition in the logprobs."""
     probe = dict(model=MODEL, messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=24, logprobs=True)
-    with ops.numerics("standard"):
-        alone, in_batch = asyncio.run(alone_and_in_busy_batch(base_url, engine, {**probe, "temperature": 0.0}))
+    engine = Engine(model_dir, numerics="standard")
+    with running(build_app(engine, MODEL, template)) as url:
+        alone, in_batch = asyncio.run(alone_and_in_busy_batch(url, engine, {**probe, "temperature": 0.0}))
     alone_lps = [e.logprob for e in alone.logprobs.content]
     batch_lps = [e.logprob for e in in_batch.logprobs.content]
     assert alone_lps != batch_lps, "standard numerics happened to be batch-invariant here"

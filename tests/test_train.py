@@ -13,7 +13,7 @@ import pytest
 
 from rzero.config import load_config
 from rzero.envs.arithmetic import ArithmeticEnv
-from rzero.train.run import prepare_base_model, train
+from rzero.run.loop import prepare_base_model, train
 
 # Keys whose values depend on wall-clock time or thread timing rather than on the computation.
 NONDETERMINISTIC = ("time/", "tokens/s", "rollout/queued_groups", "rollout/in_flight_groups")
@@ -48,7 +48,7 @@ def metrics(run_dir):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_invariant_sync_run_has_unit_ratios(tmp_path, dtype):
-    config = small_config(tmp_path, "rollout.mode=sync", "rollout.max_lag=0", "train.steps=3", f"model.dtype={dtype}")
+    config = small_config(tmp_path, "rollout.max_lag=0", "train.steps=3", f"model.dtype={dtype}")
     rows = metrics(train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None))
     assert len(rows) == 3
     for m in rows:

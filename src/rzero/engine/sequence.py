@@ -42,6 +42,11 @@ class SamplingParams:
         return SamplingTransform(self.temperature, self.top_k, self.top_p)
 
 
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """The text before the first stop string (the whole text when none occurs)."""
+    return text[: min((text.find(s) for s in stop if s in text), default=len(text))]
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -85,7 +90,6 @@ class Sequence:
         prompt: list[int],
         params: SamplingParams,
         generator: torch.Generator,
-        arrival: int,
     ):
         self.request_id = request_id
         self.token_ids = list(prompt)
@@ -93,7 +97,6 @@ class Sequence:
         self.params = params
         self.transform = params.transform
         self.generator = generator
-        self.arrival = arrival
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are in the cache

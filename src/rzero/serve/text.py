@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders
 
+from rzero.engine.sequence import cut_at_stop  # the engine stops on the token that completes one
 from rzero.serve.tool_calls import TOOL_CALL_START
-
-
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """The text before the first stop string (the engine stops on the token that completes one)."""
-    return text[: min((text.find(s) for s in stop if s in text), default=len(text))]
 
 
 def completion_text(tokenizer: Tokenizer, token_ids: list[int], stop: list[str]) -> str:

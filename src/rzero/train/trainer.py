@@ -124,7 +124,8 @@ class Trainer:
 
     # ----------------------------------------------------------------- scoring
 
-    def token_logprobs(self, model: Qwen3ForCausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
+    @staticmethod
+    def token_logprobs(model: Qwen3ForCausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """log π(a_t) of every sampled completion token under `model`, one tensor per rollout
         (environment tokens are in the context but not scored), under each rollout's sampling
         transform. All rollouts are packed into one forward pass; grad mode is the caller's."""
