@@ -1,9 +1,10 @@
 """Async vs sync wall time for the same work on a slow-tool workload.
 
 Both modes start from the same warm-started model and train the same number of steps with the
-same prompts and samples per step; only `rollout.mode` / `rollout.max_lag` differ (sync: max_lag
-0, every step waits for its own rollouts and their slowest tool call). Runs are interleaved and
-the ratio is printed from medians.
+same prompts and samples per step; only `rollout.max_lag` and `rollout.weight_update_interval`
+differ (sync: max_lag 0, weights loaded every step, so every step waits for its own rollouts and
+their slowest tool call; async: the config's values). Runs are interleaved and the ratio is
+printed from medians.
 
     python benchmarks/bench_async.py [--config configs/tool_calc_lag64.toml] [--steps 40] [--reps 1]
                                      [--set KEY=VALUE ...]
@@ -23,12 +24,12 @@ import time
 from pathlib import Path
 
 from rzero.config import load_config
-from rzero.train.run import prepare_base_model, train
+from rzero.run.loop import prepare_base_model, train
 
 
 def run_once(base: Path, out: Path, mode: str, args) -> tuple[float, list[dict]]:
     overrides = [*args.set, f'model.path="{base}"', "warm_start.steps=0", f"train.steps={args.steps}",
-                 "run.tensorboard=false", f"run.checkpoint_every={args.steps}", f"rollout.mode={mode}"]
+                 "run.tensorboard=false", f"run.checkpoint_every={args.steps}"]
     if mode == "sync":  # the synchronous twin: no lag, weights loaded every step
         overrides += ["rollout.max_lag=0", "rollout.weight_update_interval=1"]
     config = load_config(args.config, overrides)

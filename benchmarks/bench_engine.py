@@ -1,4 +1,4 @@
-"""rzero engine generation vs transformers `generate`, same model, in one run (BRIEF §6: >= 5x).
+"""rzero engine generation vs transformers `generate`, same model, in one run (target >= 5x, docs/benchmarks.md).
 
     python benchmarks/bench_engine.py [--model DIR | --preset tiny-dense] [--dtype bf16,fp32]
                                       [--numerics invariant,standard] [--sampling sample|greedy]
@@ -40,7 +40,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from rzero import ops  # noqa: E402
 from rzero.engine.engine import Engine  # noqa: E402
 from rzero.engine.sequence import SamplingParams  # noqa: E402
 from rzero.model.io import load_model, parse_dtype  # noqa: E402
@@ -61,11 +60,13 @@ def rzero_runner(model, prompts: list[list[int]], new_tokens: int, greedy: bool,
     params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=new_tokens, ignore_eos=True, seed=None)
 
     def run() -> float:
-        with ops.numerics(mode):
-            engine = Engine(model, dtype=model.dtype, num_kv_blocks=num_blocks, max_num_seqs=len(prompts), eos_token_ids=[])
-            start = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            elapsed = time.perf_counter() - start
+        engine = Engine(
+            model, numerics=mode, dtype=model.dtype, num_kv_blocks=num_blocks, max_num_seqs=len(prompts),
+            eos_token_ids=[],
+        )
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
         assert all(len(o.token_ids) == new_tokens for o in outs)
         return elapsed
 

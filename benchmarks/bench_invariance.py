@@ -1,12 +1,12 @@
-"""Invariant vs standard numerics: tokens/s side by side, in one run (BRIEF §6: target <= 1.10x).
+"""Invariant vs standard numerics: tokens/s side by side, in one run (target <= 1.10x, docs/benchmarks.md).
 
     python benchmarks/bench_invariance.py [--dtype bf16|fp32] [--preset tiny-dense|tiny-moe]
 
 Measures, interleaving invariant and standard repetitions (this machine is noisy; we report the
 median over repetitions, after warm-up):
 
-  train    forward + backward of an RL-like packed batch (16 sequences of 64-192 tokens),
-           loss = mean token logprob via ops.log_softmax on model.logits(hidden)
+  train    forward + backward of an RL-like packed batch (16 sequences of 64-192 tokens) through
+           Trainer.forward_backward, loss = -mean token logprob (Trainer.token_logprobs)
   decode   one model-level decode step: 64 sequences with ~128 cached tokens in a paged cache,
            one query token each, plus the logits of those rows
   prefill  64 prompts of ~64 tokens into a paged cache, plus the logits of each last token
@@ -19,6 +19,7 @@ Overhead = standard tokens/s / invariant tokens/s (1.00 means free; the target i
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import statistics
@@ -34,14 +35,16 @@ from rzero import ops
 from rzero.model.io import load_model
 from rzero.model.presets import init_model
 from rzero.ops import ATTN_BLOCK, AttentionMeta
+from rzero.rollout.record import Rollout
+from rzero.train.trainer import Trainer, TrainerSettings
 
 MODES = ("invariant", "standard")
 
 
 @dataclass
 class Case:
-    """One benchmark row: `setup(mode)` returns a zero-argument step, run under that mode, that
-    processes `tokens` tokens. Setup (meta building, cache allocation) is not timed."""
+    """One benchmark row: `setup(mode)` returns a zero-argument step that runs that numerics mode
+    and processes `tokens` tokens. Setup (model copy, meta building, cache allocation) is not timed."""
 
     name: str
     tokens: int
@@ -58,17 +61,15 @@ def measure_modes(case: Case, reps: int, warmup: int, clock: str = "wall") -> di
     now = CLOCKS[clock]
     steps = {}
     for mode in MODES:
-        with ops.numerics(mode):
-            steps[mode] = case.setup(mode)
-            for _ in range(warmup):
-                steps[mode]()
+        steps[mode] = case.setup(mode)
+        for _ in range(warmup):
+            steps[mode]()
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for rep in range(reps):
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-            with ops.numerics(mode):
-                start = now()
-                steps[mode]()
-                times[mode].append(now() - start)
+            start = now()
+            steps[mode]()
+            times[mode].append(now() - start)
     return {m: case.tokens / statistics.median(times[m]) for m in MODES}
 
 
@@ -76,24 +77,31 @@ def _random_ids(vocab: int, n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=gen)
 
 
+def _model_copy(model, mode: str):
+    """A copy of the model that runs the given numerics (each mode's step has its own)."""
+    model = copy.deepcopy(model)
+    model.numerics = ops.numerics(mode)
+    return model
+
+
 def train_case(model, num_seqs: int = 16, min_len: int = 64, max_len: int = 192, seed: int = 0) -> Case:
     rng = random.Random(seed)
     lengths = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
     gen = torch.Generator().manual_seed(seed)
-    ids = _random_ids(model.config.vocab_size, sum(lengths), gen)
-    targets = _random_ids(model.config.vocab_size, sum(lengths), gen)  # stand-in next tokens
+    seqs = [_random_ids(model.config.vocab_size, n, gen).tolist() for n in lengths]
+    # One prompt token, the rest a completion the trainer scores (random stand-in tokens).
+    rollouts = [Rollout(s[:1], s[1:], [0.0] * (len(s) - 1), [0] * (len(s) - 1), 0.0) for s in seqs]
+
+    def loss_fn(batch, logprobs):
+        return -torch.cat(logprobs).mean()
 
     def setup(mode: str):
-        meta, _ = AttentionMeta.for_sequences(lengths)  # padded_tokens depends on the mode
+        trainer = Trainer(copy.deepcopy(model), model.dtype, TrainerSettings(), numerics=mode)
 
         def step():
             with torch.enable_grad():
-                hidden = model(ids, meta)
-                logp = ops.log_softmax(model.logits(hidden))
-                loss = -logp.gather(1, targets.unsqueeze(1)).mean()
-                loss.backward()
-            for p in model.parameters():
-                p.grad = None
+                trainer.forward_backward([rollouts], loss_fn)
+            trainer.zero_grad()
 
         return step
 
@@ -117,15 +125,16 @@ def decode_case(model, batch: int = 64, ctx: int = 128, seed: int = 0) -> Case:
     ids = _random_ids(model.config.vocab_size, batch, gen)
 
     def setup(mode: str):
-        caches = model.new_kv_caches(num_blocks)
+        m = _model_copy(model, mode)
+        caches = m.new_kv_caches(num_blocks)
         for k, v in caches:  # plausible cached keys/values; the values do not change the timing
             k.copy_(torch.randn(k.shape, generator=gen))
             v.copy_(torch.randn(v.shape, generator=gen))
-        meta = AttentionMeta.build([1] * batch, ctx_lens, tables)
+        meta = AttentionMeta.build([1] * batch, ctx_lens, tables, row_tile=m.numerics.row_tile)
 
         def step():
             with torch.inference_mode():
-                return model.logits(model(ids, meta, caches))
+                return m.logits(m(ids, meta, caches))
 
         return step
 
@@ -141,23 +150,24 @@ def prefill_case(model, batch: int = 64, length: int = 64, seed: int = 0) -> Cas
     last = torch.tensor(q_lens).cumsum(0) - 1
 
     def setup(mode: str):
-        caches = model.new_kv_caches(num_blocks)
-        meta = AttentionMeta.build(q_lens, [0] * batch, tables)
+        m = _model_copy(model, mode)
+        caches = m.new_kv_caches(num_blocks)
+        meta = AttentionMeta.build(q_lens, [0] * batch, tables, row_tile=m.numerics.row_tile)
 
         def step():
             with torch.inference_mode():
-                return model.logits(model(ids, meta, caches)[last])
+                return m.logits(m(ids, meta, caches)[last])
 
         return step
 
     return Case(f"prefill ({batch} prompts, ~{length} tok)", sum(q_lens), setup)
 
 
-def engine_decode_case(name: str, tokens: int, run: Callable[[], object]) -> Case:
-    """Hook for the engine: `run()` generates `tokens` tokens under the current numerics mode
-    (it must build its own state per call or be reusable). Add the result to the table via
+def engine_decode_case(name: str, tokens: int, run: Callable[[str], object]) -> Case:
+    """Hook for the engine: `run(mode)` generates `tokens` tokens with an engine of that numerics
+    mode (it must build its own state per call or be reusable). Add the result to the table via
     `report([...])`."""
-    return Case(name, tokens, lambda mode: run)
+    return Case(name, tokens, lambda mode: lambda: run(mode))
 
 
 def report(rows: list[tuple[str, dict[str, float]]], command: str) -> None:

@@ -1,4 +1,5 @@
-"""RL step throughput: rzero vs TRL's GRPOTrainer, same tiny model and batch, CPU (BRIEF §6: >= 5x).
+"""RL step throughput: rzero vs TRL's GRPOTrainer, same tiny model and batch, CPU (target >= 5x:
+docs/benchmarks.md).
 
     pip install -e '.[bench]'          # trl (+ datasets, accelerate); keeps torch==2.13.0
     python benchmarks/bench_trl.py [--prompts 8] [--group 8] [--steps 12] [--skip 2] [--rounds 2]
@@ -12,8 +13,8 @@ temperature 1.0 (no top-k / top-p), the exact-answer arithmetic reward (a plain 
 for TRL), lr 6e-4 constant, grad-norm clip 1.0, one optimizer step per batch of P*G completions.
 
 Contenders (each run in its own subprocess, same torch thread count):
-  rzero-sync   rzero.train.run.train, rollout.mode = sync (generate with version s, then train)
-  rzero-async  the same with rollout.mode = async, max_lag = 2 (generation overlaps training)
+  rzero-sync   rzero.run.loop.train, rollout.max_lag = 0 (generate with version s, then train)
+  rzero-async  the same with rollout.max_lag = 2 (generation overlaps training)
   trl          trl.GRPOTrainer, GRPOConfig(per_device_train_batch_size=P*G, num_generations=G,
                gradient_accumulation_steps=1, beta=0 (no reference model), use_cpu, fp32),
                generation with transformers `generate` (TRL's default, no vLLM)
@@ -75,12 +76,13 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------- workers
 
 
-def run_rzero(args, mode: str) -> dict:
+def run_rzero(args, max_lag: int) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    import rzero.train.run as run_mod
+    import rzero.run.loop as run_mod
     from rzero.config import RunConfig
+    from rzero.run.metrics_log import MetricsLog
 
     config = RunConfig.model_validate(
         {
@@ -88,8 +90,7 @@ def run_rzero(args, mode: str) -> dict:
             "warm_start": {"steps": 0},
             "env": {"digits": 1},
             "rollout": {
-                "mode": mode,
-                "max_lag": 0 if mode == "sync" else 2,
+                "max_lag": max_lag,
                 "prompts_per_step": args.prompts,
                 "group_size": args.group,
                 "max_tokens": args.max_tokens,
@@ -100,13 +101,13 @@ def run_rzero(args, mode: str) -> dict:
         }
     )
     stamps: list[float] = []
-    original_write = run_mod.MetricsLog.write
+    original_write = MetricsLog.write
 
     def write(self, metrics):  # step-end timestamp, same place TRL's on_step_end fires
         stamps.append(time.perf_counter())
         return original_write(self, metrics)
 
-    run_mod.MetricsLog.write = write
+    MetricsLog.write = write
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run_mod.train(config, Path(tmp) / "run", progress=False, log=lambda *a, **k: None)
@@ -217,7 +218,7 @@ def worker_main(args) -> int:
     if args.worker == "trl":
         result = run_trl(args)
     else:
-        result = run_rzero(args, args.worker.split("-", 1)[1])
+        result = run_rzero(args, max_lag=0 if args.worker == "rzero-sync" else 2)
     Path(args.json_out).write_text(json.dumps(result))
     return 0
 
