@@ -114,10 +114,37 @@ def test_numerics_audit_finds_a_stock_kernel_leaking_into_the_forward(tiny_dense
     """Invariant mode, but the projections call F.linear directly: C0 must name the leak."""
     import rzero.model.qwen3 as qwen3
 
-    monkeypatch.setattr(qwen3.Linear, "forward", lambda self, x: F.linear(x, self.weight))
+    monkeypatch.setattr(qwen3.Linear, "forward", lambda self, x, nx: F.linear(x, self.weight))
     [c0] = run_checks(tiny_dense_dir, "invariant", "fp32", only=("C0",))
     assert not c0.passed and c0.max_abs_diff > 0
     assert "aten.linear" in c0.detail or "aten.mm" in c0.detail or "aten.addmm" in c0.detail
+
+
+# --------------------------------------------------------- the checklist tests the shipping trainer
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_ulp_in_the_trainers_scoring_fails_the_checklist(tiny_dense_dir, monkeypatch, dtype):
+    """`rzero check` runs `Trainer.token_logprobs` itself, not a copy: nudge one token's logprob
+    by one ulp in the autograd pass (what training computes) and C9 fails with exactly that ulp."""
+    import torch
+
+    from rzero.train.trainer import Trainer
+
+    real = Trainer.token_logprobs
+
+    def one_ulp_off(model, rollouts):
+        out = real(model, rollouts)
+        if torch.is_grad_enabled() and out:  # the training forward; the no-grad pass is untouched
+            lp = out[0]
+            out[0] = torch.cat([torch.nextafter(lp[:1], torch.tensor(float("inf"))), lp[1:]])
+        return out
+
+    monkeypatch.setattr(Trainer, "token_logprobs", staticmethod(one_ulp_off))
+    results = by_id(run_checks(tiny_dense_dir, "invariant", dtype, only=("C9",)))
+    c9 = results["C9"]
+    assert not c9.passed
+    assert 0 < c9.max_abs_diff < 1e-5, c9.detail  # one fp32 ulp of a logprob
 
 
 # ------------------------------------------------------------------------------ CLI and helpers

@@ -298,6 +298,41 @@ def test_standard_numerics_negative_control(model_dir, dtype):
     assert max(diffs) > 0.0, "standard numerics happened to match the trainer bitwise"
 
 
+def test_engines_of_both_numerics_run_side_by_side_in_threads(model_dir):
+    """No process-wide mode: an invariant and a standard engine stepping at the same time in two
+    threads each give exactly the bits they give alone, and the two modes' bits differ."""
+    import threading
+
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, n) for n in (37, 5, 21)]
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+
+    def generate(numerics: str) -> list[list[float]]:
+        engine = make_engine(model_dir, numerics=numerics, max_num_batched_tokens=16)
+        return [o.logprobs for o in engine.generate(prompts, params)]
+
+    alone = {mode: generate(mode) for mode in ("invariant", "standard")}
+    together: dict[str, list[list[float]]] = {}
+    errors: list[BaseException] = []
+
+    def worker(mode: str) -> None:
+        try:
+            for _ in range(3):  # overlap many steps of the two engines
+                together[mode] = generate(mode)
+        except BaseException as err:  # noqa: BLE001 (surfaced below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(mode,)) for mode in alone]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert together == alone
+    assert alone["invariant"] != alone["standard"]  # the modes really are different code paths
+    assert [len(x) for x in alone["invariant"]] == [12, 12, 12]
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. continuous batching, abort, block accounting
 # ---------------------------------------------------------------------------------------------

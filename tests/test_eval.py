@@ -177,7 +177,7 @@ class ScriptedEngine:
     completion, whole, on the first step it is scheduled (at most max_num_seqs per step);
     `seeds` records each prompt's sampling seed."""
 
-    def __init__(self, model_dir, *, dtype, max_num_seqs, seed, script, seeds):
+    def __init__(self, model_dir, *, numerics, dtype, max_num_seqs, seed, script, seeds):
         self.script, self.seeds = script, seeds
         self.tokenizer = load_tokenizer(model_dir)
         self.max_num_seqs, self.version = max_num_seqs, 0

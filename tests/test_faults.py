@@ -119,7 +119,7 @@ def test_run_stops_after_consecutive_skipped_updates(tmp_path, monkeypatch):
     from rzero.train import trainer as trainer_module
 
     real = trainer_module.policy_loss
-    monkeypatch.setattr(trainer_module, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), None))
+    monkeypatch.setattr(trainer_module, "policy_loss", lambda *a, **k: real(*a, **k) * float("nan"))
     with pytest.raises(RuntimeError, match="3 updates in a row were skipped"):
         train(config("train.steps=10", "train.max_consecutive_skips=3"), tmp_path / "run", progress=False, log=quiet)
     assert [m["train/consecutive_skips"] for m in rows(tmp_path / "run")] == [1.0, 2.0, 3.0]

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rzero.envs import ENV_KEYS, ENV_NAMES
+from rzero.envs import ENV_NAMES, ENVS
 from rzero.envs.grading import DEFAULT_TIMEOUT_S as DEFAULT_GRADER_TIMEOUT_S
 from rzero.envs.math import DEFAULT_PROMPT_TEMPLATE
 from rzero.files import read_toml
@@ -90,7 +90,7 @@ class EnvSection(Section):
 
     @model_validator(mode="after")
     def _keys_of_this_env(self) -> EnvSection:
-        foreign = set().union(*ENV_KEYS.values()) - ENV_KEYS[self.name]
+        foreign = set().union(*(spec.keys for spec in ENVS.values())) - ENVS[self.name].keys
         defaults = EnvSection.model_construct()
         changed = sorted(k for k in foreign if getattr(self, k) != getattr(defaults, k))
         if changed:

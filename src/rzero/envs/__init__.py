@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rzero.envs.base import Env, GraderTimeout, Reference, Task
 
@@ -50,22 +51,33 @@ def _tool_calc(section, seed: int) -> Env:
     )
 
 
-# The one registry of environments: name -> (builder, the [env] config keys it reads besides `name`
-# and the keys every env shares). rzero.config and the eval suites take their choices from here.
-ENVS: dict[str, tuple[Callable[..., Env], set[str]]] = {
-    "arithmetic": (_arithmetic, {"digits", "operations"}),
-    "math": (_math, {"data", "question_key", "answer_key", "answer_pattern", "prompt_template", "grader_timeout_s"}),
-    "tool_calc": (_tool_calc, {"digits", "max_turns", "tool_fraction", "show_tools", "tools"}),
+@dataclass(frozen=True)
+class EnvSpec:
+    build: Callable[..., Env]  # (the [env] config section, seed) -> Env
+    keys: frozenset[str]  # the [env] keys it reads, besides `name` and the keys every env shares
+    synthetic: bool  # generates its problems (an eval suite says how many) rather than reading a dataset
+
+
+# The one registry of environments; rzero.config and the eval suites take their choices from here.
+ENVS: dict[str, EnvSpec] = {
+    "arithmetic": EnvSpec(_arithmetic, frozenset({"digits", "operations"}), synthetic=True),
+    "math": EnvSpec(
+        _math,
+        frozenset({"data", "question_key", "answer_key", "answer_pattern", "prompt_template", "grader_timeout_s"}),
+        synthetic=False,
+    ),
+    "tool_calc": EnvSpec(
+        _tool_calc, frozenset({"digits", "max_turns", "tool_fraction", "show_tools", "tools"}), synthetic=True
+    ),
 }
 ENV_NAMES = tuple(ENVS)
-ENV_KEYS = {name: keys for name, (_, keys) in ENVS.items()}
 
 
 def make_env(section, seed: int = 0) -> Env:
     """The environment an `[env]` config section describes (rzero.config.EnvSection)."""
     if section.name not in ENVS:
         raise ValueError(f"unknown env {section.name!r}; choose one of {', '.join(ENV_NAMES)}")
-    return ENVS[section.name][0](section, seed)
+    return ENVS[section.name].build(section, seed)
 
 
-__all__ = ["ENVS", "ENV_KEYS", "ENV_NAMES", "Env", "GraderTimeout", "Reference", "Task", "make_env"]
+__all__ = ["ENVS", "ENV_NAMES", "Env", "EnvSpec", "GraderTimeout", "Reference", "Task", "make_env"]

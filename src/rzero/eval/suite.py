@@ -16,9 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from rzero.config import EnvSection, Section
 from rzero.files import read_toml
-from rzero.envs import make_env
-
-SYNTHETIC_TASKS = ("arithmetic", "tool_calc")  # generated problems: the suite says how many
+from rzero.envs import ENV_NAMES, ENVS, make_env
 
 
 class SuiteError(ValueError):
@@ -63,7 +61,7 @@ class Benchmark(Section):
             if nested in data:
                 raise ValueError(f"unknown key {nested!r}")
         if "task" not in data:
-            raise ValueError("missing key 'task' (arithmetic, math or tool_calc)")
+            raise ValueError(f"missing key 'task' ({', '.join(ENV_NAMES)})")
         rest = dict(data)
         env = {"name": rest.pop("task")} | {key: rest.pop(key) for key in list(rest) if key in _ENV_KEYS}
         sampling = {key: rest.pop(key) for key in list(rest) if key in Sampling.model_fields}
@@ -153,7 +151,7 @@ def load_suite(path: str | Path, overrides: Sampling | None = None, limit: int |
             env = make_env(section, seed=b.env_seed)
         except (ValueError, FileNotFoundError) as err:
             raise SuiteError(f"{where}: {err}") from None
-        if section.name in SYNTHETIC_TASKS:
+        if ENVS[section.name].synthetic:  # generated problems: the suite says how many
             if b.num_tasks is None:
                 raise SuiteError(f"{where}: key 'num_tasks': required for task {section.name!r} (it generates problems)")
             num_tasks = b.num_tasks
