@@ -1,4 +1,4 @@
-"""`rzero check`: the alignment checklist C0-C10 (BRIEF §4).
+"""`rzero check`: the alignment checklist C0-C10 (docs/checklist.md).
 
 Invariant numerics: every check passes with a difference of exactly 0.0 (C8 "n/a" on a dense
 model). Standard numerics is the negative control: the parity checks must fail with nonzero
