@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from rzero.envs import sandbox
-from rzero.envs.sandbox import _pids_of_uid, run_python
+from rzero.envs.sandbox import cgroup, child, run_python
+from rzero.envs.sandbox.child import _pids_of_uid
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux-only sandbox")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="uid drop and namespaces need root")
@@ -187,8 +187,8 @@ def no_namespaces(monkeypatch):
             ctypes.set_errno(errno.EPERM)
             return -1
 
-    libc = sandbox._libc
-    monkeypatch.setattr(sandbox, "_libc", Refusing())
+    libc = child._libc
+    monkeypatch.setattr(child, "_libc", Refusing())
     # Without a mount namespace the fresh uid must reach the interpreter by file permissions;
     # this machine's may live under a private /root.
     python = next((p for p in (sys.executable, "/usr/bin/python3") if os.path.exists(p) and _usable_by_any_uid(p)), None)
@@ -199,7 +199,7 @@ def no_namespaces(monkeypatch):
 
 @pytest.fixture
 def no_cgroup(monkeypatch):
-    monkeypatch.setattr(sandbox, "_cgroup_parent", lambda: None)
+    monkeypatch.setattr(cgroup, "_cgroup_parent", lambda: None)
 
 
 @needs_root
@@ -237,7 +237,7 @@ def test_memory_is_capped_for_the_sandbox_as_a_whole(memory, request):
     if memory == "nproc":
         assert res.mechanism.memory == "nproc"
         assert res.stdout == "1\n", res  # 512 MB // 256 MB = 2 processes: the main one and one child
-    elif sandbox._cgroup_parent() is not None:
+    elif cgroup._cgroup_parent() is not None:
         assert res.mechanism.memory.startswith("cgroup"), res
         assert res.stdout == "15\n", res
 
@@ -253,7 +253,7 @@ def test_one_process_within_its_own_limit_hits_the_total(memory, request):
 
 @needs_root
 def test_code_does_not_run_when_the_private_root_cannot_be_built(monkeypatch):
-    monkeypatch.setattr(sandbox, "_SYS_PIVOT_ROOT", None)
+    monkeypatch.setattr(child, "_SYS_PIVOT_ROOT", None)
     res = _hostile("print('ran')")
     assert res.error.startswith("sandbox failed to start: setup failed: pivot_root"), res.error
     assert res.stdout == ""
