@@ -34,6 +34,10 @@ Prompt = str | list[int]
 
 
 class Engine:
+    """`model`: a model directory, or a model object (the engine takes its own copy). `numerics`:
+    the ops its forward passes and sampler run ("invariant" or "standard"), held by its own model
+    copy, so engines of different modes can share a process."""
+
     def __init__(
         self,
         model: str | Path | Qwen3ForCausalLM,
