@@ -103,6 +103,9 @@ class EnvSection(Section):
 
 
 class RolloutSection(Section):
+    # "local": worker threads in the trainer's process (the default); "ray": one Ray actor per
+    # worker, each with its own engine and environment (docs/distributed.md).
+    backend: Literal["local", "ray"] = "local"
     max_lag: int = Field(2, ge=0)  # 0: the synchronous baseline
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
@@ -113,6 +116,8 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     workers: int = Field(1, ge=1)
+    cpus_per_worker: float = Field(1.0, ge=0)  # Ray resources of each rollout actor
+    gpus_per_worker: float = Field(0.0, ge=0)
     recompute_on_update: bool = True
     # Engines load new weights once they are this many versions behind the trainer. Each load
     # recomputes the K/V of every sequence in flight (exact μ), so in async runs with many long
@@ -147,6 +152,12 @@ class TrainSection(Section):
     tis_cap: float = Field(2.0, gt=0)
     icepop_low: float = Field(0.5, gt=0)
     icepop_high: float = Field(2.0, gt=0)
+    # Data-parallel trainer processes (Ray actors; torch.distributed gloo on CPU). "ordered" sums the
+    # micro-batch gradients in global micro-batch order: bitwise the same run for any world_size.
+    # "allreduce" is the fast, non-exact option (docs/distributed.md).
+    world_size: int = Field(1, ge=1)
+    grad_reduce: Literal["ordered", "allreduce"] = "ordered"
+    gpus_per_rank: float = Field(0.0, ge=0)
     # Stop the run when this many updates in a row were skipped (non-finite loss or gradient):
     # the model has diverged and every further step only burns the budget.
     max_consecutive_skips: int = Field(10, ge=1)
@@ -164,6 +175,13 @@ class RunSection(Section):
     wandb_project: str = "rzero"
 
 
+class ClusterSection(Section):
+    # Empty: a private local Ray instance, started for the run and shut down after it. "auto" or
+    # "ray://host:port": join an existing cluster (docs/distributed.md).
+    address: str = ""
+    connect_timeout_s: float = Field(30.0, gt=0)
+
+
 class RunConfig(Section):
     model: ModelSection = ModelSection()
     warm_start: WarmStartSection = WarmStartSection()
@@ -172,6 +190,13 @@ class RunConfig(Section):
     train: TrainSection = TrainSection()
     diagnostics: DiagnosticsSection = DiagnosticsSection()
     run: RunSection = RunSection()
+    cluster: ClusterSection = ClusterSection()
+
+    @model_validator(mode="after")
+    def _distributed_needs_ray(self) -> RunConfig:
+        if self.rollout.backend == "local" and (self.rollout.gpus_per_worker or self.rollout.cpus_per_worker != 1.0):
+            raise ValueError("rollout.cpus_per_worker / gpus_per_worker are Ray resources: set rollout.backend = 'ray'")
+        return self
 
 
 class ConfigError(ValueError):
