@@ -9,7 +9,7 @@ from rzero.config import ConfigError, load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["default.toml", "lag8.toml", "sync.toml", "tool_calc_lag64.toml", "tool_calc_sync.toml"])
+@pytest.mark.parametrize("name", ["default.toml", "lag8.toml", "sync.toml", "tool_calc_lag64.toml", "tool_calc_sync.toml", "ray.toml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name)
     assert config.train.loss == "reinforce_is"

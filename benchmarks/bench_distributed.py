@@ -1,0 +1,77 @@
+"""Ray vs local step time at equal worker count, and async vs sync on Ray, in one run.
+
+    python benchmarks/bench_distributed.py [--steps 20] [--reps 1] [--workloads default,tool_calc]
+
+For each workload (the default job; tool_calc_lag64, whose calculator has a log-normal latency with
+a 1 s median) it trains the same steps from the same warm-started model with `rollout.backend =
+local` and `= ray` (same `rollout.workers`), interleaved, and prints the median step time of each
+and their ratio (target: Ray overhead <= 1.15x). Then, on Ray, the slow-tool workload's async run
+against its synchronous twin (max_lag 0; target >= 3x, as local). Steps are timed from the
+metrics (`time/step`), skipping the first steps (actor start-up, first weight load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rzero.config import load_config
+from rzero.run.loop import prepare_base_model, train
+
+WORKLOADS = {
+    "default": ("configs/default.toml", ["rollout.workers=2"]),
+    "tool_calc": ("configs/tool_calc_lag64.toml", ["rollout.workers=2"]),
+}
+
+
+def run(config_path: str, base: Path, out: Path, overrides: list[str], steps: int) -> tuple[float, list[dict]]:
+    overrides = [*overrides, f'model.path="{base}"', "warm_start.steps=0", f"train.steps={steps}",
+                 "run.tensorboard=false", f"run.checkpoint_every={steps}"]
+    start = time.perf_counter()
+    train(load_config(config_path, overrides), out, progress=False, log=lambda *a: None)
+    wall = time.perf_counter() - start
+    return wall, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_time(rows: list[dict], skip: int) -> float:
+    return statistics.median(r["time/step"] for r in rows[skip:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=3, help="first steps left out of the step time")
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--workloads", default="default,tool_calc")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name in args.workloads.split(","):
+            path, extra = WORKLOADS[name]
+            base = prepare_base_model(load_config(path, extra), tmp / f"base-{name}", log=lambda *a: None)
+            cases = {"local": [*extra, "rollout.backend=local"], "ray": [*extra, "rollout.backend=ray"]}
+            if name == "tool_calc":
+                cases["ray sync"] = [*extra, "rollout.backend=ray", "rollout.max_lag=0", "rollout.weight_update_interval=1"]
+            times: dict[str, list[float]] = {c: [] for c in cases}
+            walls: dict[str, list[float]] = {c: [] for c in cases}
+            for rep in range(args.reps):  # interleaved: the machine is noisy
+                for case, overrides in cases.items():
+                    wall, rows = run(path, base, tmp / f"{name}-{case.replace(' ', '_')}-{rep}", overrides, args.steps)
+                    times[case].append(step_time(rows, args.skip))
+                    walls[case].append(wall)
+            print(f"\n{name} ({path} {' '.join(extra)}; {args.steps} steps, step time = median time/step after {args.skip})")
+            for case in cases:
+                print(f"  {case:9s} step {statistics.median(times[case]):6.3f} s   wall {statistics.median(walls[case]):6.1f} s")
+            ratio = statistics.median(times["ray"]) / statistics.median(times["local"])
+            print(f"  Ray / local step time: {ratio:.2f}x   (target <= 1.15x)")
+            if "ray sync" in cases:
+                speedup = statistics.median(walls["ray sync"]) / statistics.median(walls["ray"])
+                print(f"  Ray async speed-up (sync / async wall time): {speedup:.2f}x   (target >= 3x)")
+
+
+if __name__ == "__main__":
+    main()
