@@ -56,10 +56,11 @@ class _Reduce:
         return list(range(self.rank, n, self.world_size))
 
     def _gather_logprobs(self, local: dict[int, list[torch.Tensor]], n: int) -> list[torch.Tensor]:
-        """Every micro-batch's token logprobs on the root, in order (an empty list elsewhere)."""
+        """Every micro-batch's token logprobs on the root, in order (an empty list elsewhere; and
+        everywhere when n is 0: a skipped step, whose logprobs nobody reads)."""
         everyone: list | None = [None] * self.world_size if self.is_root else None
         dist.gather_object(local, everyone, dst=0)
-        if not self.is_root:
+        if not self.is_root or n == 0:
             return []
         merged = {i: v for part in everyone for i, v in part.items()}
         return [lp for i in range(n) for lp in merged[i]]
@@ -73,7 +74,7 @@ class _Reduce:
         total = 0.0
         for loss in losses[:first_bad]:
             total += loss
-        self._gather_logprobs(local_lps, n)
+        self._gather_logprobs(local_lps, 0)  # every rank takes part in the same collectives
         return total, [], False
 
 
