@@ -30,9 +30,11 @@ from rzero.run.cluster import open_cluster, require_ray, reserve
 from rzero.train.data_parallel import backend_for, make_reducer
 from rzero.train.trainer import Trainer
 
-# Deadline of one collective (gloo/NCCL) and of one step's Ray calls: a step of the tiny jobs takes
-# well under a second; a dead peer usually shows at once (connection reset), this bounds the rest.
-DEFAULT_TIMEOUT_S = float(os.environ.get("RZERO_RANK_TIMEOUT_S", "120"))
+# Deadline of one collective (gloo/NCCL: it includes waiting for the slowest rank's micro-batches)
+# and of one step's Ray calls. A killed rank shows at once (connection reset, ActorDiedError); this
+# only bounds a rank that hangs or a lost node. Raise it (RZERO_RANK_TIMEOUT_S) for steps longer
+# than this on large models.
+DEFAULT_TIMEOUT_S = float(os.environ.get("RZERO_RANK_TIMEOUT_S", "600"))
 
 
 class RankActor:
