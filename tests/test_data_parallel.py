@@ -98,13 +98,16 @@ def same_metrics(a, b):
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN-aware
 
 
-def test_ordered_reduction_world_size_3_equals_one_process_including_skips(tmp_path):
-    model_dir = init_model("tiny-dense", tmp_path / "m")
+# The whole-run test covers tiny-dense in bf16; here fp32, and MoE (experts without a gradient in
+# some micro-batches: the reduction keeps "no gradient" exactly as one process does).
+@pytest.mark.parametrize("preset,dtype", [("tiny-dense", torch.float32), ("tiny-moe", torch.bfloat16)])
+def test_ordered_reduction_world_size_3_equals_one_process_including_skips(tmp_path, preset, dtype):
+    model_dir = init_model(preset, tmp_path / "m")
     config = small_config(tmp_path, "train.micro_batch_tokens=20", "train.world_size=3", "diagnostics.decompose=false")
     settings = trainer_settings(config)
 
     def make():
-        return Trainer(load_model(model_dir, "fp32"), torch.bfloat16, settings, numerics="invariant")
+        return Trainer(load_model(model_dir, "fp32"), dtype, settings, numerics="invariant")
 
     single, driver = make(), make()
     ranks = TrainerRanks(config, tmp_path, log=quiet)

@@ -158,11 +158,11 @@ def train(
     )
     metrics_log = MetricsLog(run_dir, config, keep_below_step=start_step if resume else None)
     bar = _ProgressBar(t.steps, start_step) if progress else None
-    ranks.start(trainer)  # data-parallel ranks 1..K-1 from the trainer's weights and state
     backend.start(trainer.engine_state_dict(), trainer.version)
     stopped_because = None
     consecutive_skips = 0
     try:
+        ranks.start(trainer)  # data-parallel ranks 1..K-1 from the trainer's weights and state
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
             groups = backend.get_groups(step, r.prompts_per_step)
