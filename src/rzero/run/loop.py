@@ -34,6 +34,7 @@ from rzero.model.tokenizer import load_tokenizer
 from rzero.rollout.orchestrator import LocalBackend
 from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
 from rzero.run.metrics_log import MetricsLog
+from rzero.run.ranks import TrainerRanks
 from rzero.run.warm_start import warm_start
 from rzero.train.trainer import Trainer, TrainerSettings
 
@@ -89,6 +90,7 @@ def train(
             import wandb  # noqa: F401  (optional; checked before anything starts)
         except ImportError:
             raise ValueError("run.wandb = true needs the wandb package (pip install wandb)") from None
+    ranks = TrainerRanks(config, run_dir, log=log)  # world_size > 1 without Ray fails here, before anything
     run_dir.mkdir(parents=True, exist_ok=True)
     found = find_resume_checkpoint(run_dir, log=log) if resume else None
     checkpoint, saved = found if found is not None else (None, None)
@@ -160,6 +162,7 @@ def train(
     stopped_because = None
     consecutive_skips = 0
     try:
+        ranks.start(trainer)  # data-parallel ranks 1..K-1 from the trainer's weights and state
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
             groups = backend.get_groups(step, r.prompts_per_step)
@@ -170,7 +173,7 @@ def train(
             m["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
             m["rollout/turns_mean"] = sum(x.num_turns() for g in groups for x in g) / rewards.numel()
             t1 = time.perf_counter()
-            m.update(trainer.train_step(groups))
+            m.update(ranks.train_step(trainer, groups))
             backend.publish(trainer.engine_state_dict(), trainer.version)
             now = time.perf_counter()
             m["time/train"] = now - t1
@@ -201,6 +204,7 @@ def train(
                     break
     finally:
         backend.stop()
+        ranks.close(trainer)
         metrics_log.close()
         if bar is not None:
             bar.close()

@@ -82,8 +82,13 @@ class Trainer:
         *,
         numerics: str | Numerics = "invariant",
         version: int = 0,
+        reducer=None,
     ):
         self.settings = settings
+        # Data parallelism (rzero.train.data_parallel): None in one process; otherwise the object
+        # whose `forward_backward(trainer, micro_batches, loss_fn)` spreads the micro-batches over
+        # the ranks and leaves every rank with the same summed gradient.
+        self.reducer = reducer
         self.numerics = numerics_of(numerics)
         self.master = master.float().train()
         self.master.numerics = self.numerics
@@ -179,7 +184,10 @@ class Trainer:
     ) -> tuple[float, list[torch.Tensor], bool]:
         """Accumulate gradients on the compute copy, one micro-batch at a time: score it with
         `token_logprobs` (autograd on), take `loss_fn` of it, backward. Stops at the first
-        non-finite loss. Returns (summed loss, detached token logprobs per rollout, all finite)."""
+        non-finite loss. Returns (summed loss, detached token logprobs per rollout, all finite).
+        With a `reducer`, the ranks share the micro-batches and all end with the same gradient."""
+        if self.reducer is not None:
+            return self.reducer.forward_backward(self, micro_batches, loss_fn)
         loss_total, logprobs = 0.0, []
         for mb in micro_batches:
             lps = self.token_logprobs(self.compute, mb)
@@ -236,7 +244,8 @@ class Trainer:
         loss_total, trainer_lps, finite = self.forward_backward(self.micro_batches(rollouts), loss_fn)
         grad_norm = self._optimizer_step() if finite else float("nan")
         took_step = math.isfinite(grad_norm)
-        metrics = self._diagnostics(rollouts, trainer_lps) if took_step else {}
+        root = self.reducer is None or self.reducer.is_root  # only the root rank gets all logprobs
+        metrics = self._diagnostics(rollouts, trainer_lps) if took_step and root else {}
         self._next_version(took_step)
         metrics.update(
             {
