@@ -18,6 +18,7 @@ trainer from `get_groups`, as in the local backend.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from rzero.rollout.ray_worker import RolloutWorker
 # Consecutive failed calls to one actor (without a successful one between) before the run stops:
 # an actor that cannot come back (its constructor raises) must not retry forever.
 MAX_CONSECUTIVE_FAILURES = 30
+# Actors are named f"{ACTOR_PREFIX}<run id>-<worker>" (ray.util.list_named_actors finds them).
+ACTOR_PREFIX = "rzero-rollout-"
 
 
 class RayBackend(Orchestrator):
@@ -57,10 +60,16 @@ class RayBackend(Orchestrator):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor_class = self.ray.remote(RolloutWorker)
+        run_id = uuid.uuid4().hex[:8]
         # Held for the run: a restarted actor is built again from these same objects.
         self._init_refs = [self.ray.put(self.make_engine), self.ray.put(self.make_env)]
         for i in range(self.num_workers):
-            options: dict = dict(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=-1)
+            options: dict = dict(
+                num_cpus=self.cpus_per_worker,
+                num_gpus=self.gpus_per_worker,
+                max_restarts=-1,  # Ray restarts an actor that dies; its groups are sampled again
+                name=f"{ACTOR_PREFIX}{run_id}-{i}",
+            )
             if self.placement_group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=i
@@ -87,31 +96,48 @@ class RayBackend(Orchestrator):
         actor, name = self.actors[i], f"rollout-{i}"
         owned: set[int] = set()  # groups started on this actor and not finished
         local_version = None
+        incarnation = None  # the actor's life the groups in `owned` run on
         failures = 0
         while True:
             with self.cond:
                 if self._stop:
                     return
                 weights, version, starts = self._next_work(local_version)
+                earlier = set(owned)
                 owned.update(starts)
                 if weights is None and not starts and not owned:
                     self.cond.wait(timeout=0.5)
                     continue
             try:
-                done = self.ray.get(actor.work.remote(weights, version, starts, bool(owned)))
+                life, ran, done = self.ray.get(actor.work.remote(weights, version, starts, bool(owned)))
             except RayActorError as err:
+                if "creation task" in str(err):  # the constructor raised: a restart cannot help
+                    raise
                 failures += 1
                 if failures > MAX_CONSECUTIVE_FAILURES:
                     raise RuntimeError(f"rollout actor {i} failed {failures - 1} times in a row; last: {err}") from err
                 self._lost(name, owned, restarted=failures == 1)
                 owned.clear()
-                local_version = None
+                local_version, incarnation = None, None
                 time.sleep(min(0.1 * failures, 1.0))
                 continue
             failures = 0
+            if incarnation is not None and life != incarnation:
+                # Ray restarted the actor between two calls (the call waited for the new life):
+                # what ran on the old life is lost; what this call started runs on the new one.
+                lost = owned if not ran else earlier
+                self._lost(name, lost, restarted=True)
+                owned -= lost
+                local_version = None
+            incarnation = life
+            if not ran:  # a new life without weights: it started nothing
+                self._lost(name, owned, restarted=False)
+                owned.clear()
+                local_version = None
+                continue
             if weights is not None:
                 local_version = version
                 self._loaded_version(name, version)
             for g, sample, rollout, failed, grader_timeout in done:
-                if self._collect(g, sample, rollout, failed, grader_timeout):
+                if g in owned and self._collect(g, sample, rollout, failed, grader_timeout):
                     owned.discard(g)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from rzero.engine import Engine, SamplingParams
@@ -41,17 +42,28 @@ class RolloutWorker:
         self._changed = threading.Condition()
         self._done: list[Finished] = []
         self._loop = AsyncLoop()
+        # Which life of the actor this is: Ray restarts a killed actor from scratch, and the proxy
+        # learns of a restart it did not see fail from a new incarnation in `work`'s answer.
+        self.incarnation = uuid.uuid4().hex
+        self.loaded = False  # no weights loaded yet: this life must not sample until they are
         self.runner = EpisodeRunner(self.engine, self.env, self._loop, self._finished, wake=self._wake, delay_s=delay_s)
 
     def pid(self) -> int:
         return os.getpid()
 
-    def work(self, weights: dict | None, version: int | None, starts: list[int], wait: bool = True) -> list[Finished]:
+    def work(
+        self, weights: dict | None, version: int | None, starts: list[int], wait: bool = True
+    ) -> tuple[str, bool, list[Finished]]:
         """Load `weights` (stamped `version`) if given, start the groups `starts`, and step the
-        engine until a sample finishes or the slice is over; the samples finished so far.
-        `wait=False` (nothing in flight here): return right after the load."""
+        engine until a sample finishes or the slice is over. Returns (incarnation, whether the
+        call ran, the samples finished so far); it does not run (starts nothing) when this life
+        of the actor has no weights yet and none were given. `wait=False` (nothing in flight
+        here): return right after the load."""
         if weights is not None:
             self.engine.update_weights(weights, version)
+            self.loaded = True
+        if not self.loaded:
+            return self.incarnation, False, []
         for g in starts:
             self.runner.add(g, self.env.task(g), group_params(self.sampling, self.group_size, self.seed, g))
         deadline = time.monotonic() + (self.slice_s if wait else 0.0)
@@ -60,7 +72,7 @@ class RolloutWorker:
                 left = deadline - time.monotonic()
                 if self._done or left <= 0:
                     done, self._done = self._done, []
-                    return done
+                    return self.incarnation, True, done
                 if not self.runner.has_engine_work():  # every episode waits on its environment
                     self._changed.wait(timeout=left)
                     continue
