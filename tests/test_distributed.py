@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,8 +147,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The test's own head and its driver skip Ray's token authentication (a real cluster keeps it:
+# every node and driver then needs the same token, ~/.ray/auth_token or RAY_AUTH_TOKEN).
+SCRIPT_ENV = {"PYTHONPATH": SRC, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
 def run_script(code: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": SRC, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **SCRIPT_ENV}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -172,12 +178,13 @@ def test_joins_an_existing_cluster_by_address(tmp_path):
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2", f"--temp-dir={temp_dir}",
          "--disable-usage-stats", "--include-dashboard=false"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **SCRIPT_ENV},
     )  # fmt: skip
     try:
-        overrides = ["warm_start.steps=0", "train.steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        overrides = ["warm_start.steps=0", "train.steps=5", "rollout.prompts_per_step=4", "rollout.group_size=4",
                      "rollout.max_tokens=6", "run.tensorboard=false", "rollout.backend=ray", "rollout.workers=2",
                      f"cluster.address=127.0.0.1:{port}"]  # fmt: skip
+        wait_for_port(port, timeout=20)
         code = TRAIN_IN_SUBPROCESS.format(config=None, overrides=overrides, run_dir=str(tmp_path / "run"))
         result = None
         for _ in range(3):  # the head needs a few seconds to come up
@@ -186,7 +193,7 @@ def test_joins_an_existing_cluster_by_address(tmp_path):
                 break
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-        assert len(rows) == 4
+        assert len(rows) == 5
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops what it started
         try:
@@ -194,8 +201,18 @@ def test_joins_an_existing_cluster_by_address(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+    shutil.rmtree(temp_dir, ignore_errors=True)
     left = [p for p in Path("/proc").glob("[0-9]*") if temp_dir.encode() in _cmdline(p)]
     assert not left, f"processes of the test's Ray head are still running: {[p.name for p in left]}"
+
+
+def wait_for_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
 
 
 def _cmdline(proc: Path) -> bytes:
