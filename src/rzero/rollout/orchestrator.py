@@ -15,27 +15,57 @@ Episodes may take several turns: a worker thread owns an engine and runs model t
 environment's steps (tool calls, rewards) run on an asyncio loop (rollout/episodes.py), so slow
 tools never block generation.
 
-`LocalBackend` runs the workers as threads in the trainer's process (the embedded default).
+`Orchestrator` holds all of that (admission, collection into groups, stale drops, state_dict,
+stats, restart of in-flight groups on resume or after a lost worker); its subclasses differ only in
+how a worker runs. `LocalBackend` runs the workers as threads in the trainer's process (the
+embedded default); `rzero.rollout.ray_backend.RayBackend` runs each as a Ray actor with its own
+engine and environment, driven by one proxy thread per actor.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from rzero.engine import Engine, SamplingParams
+from rzero.ops import SamplingTransform
 from rzero.rollout.episodes import AsyncLoop, Episode, EpisodeRunner
 from rzero.rollout.record import Rollout
 
 
-class LocalBackend:
+def rollout_of(episode: Episode, transform: SamplingTransform) -> Rollout:
+    """The record of one finished episode."""
+    return Rollout(
+        prompt_ids=episode.prompt_ids,
+        completion_ids=episode.token_ids,
+        logprobs=episode.logprobs,
+        versions=episode.versions,
+        reward=episode.reward,
+        transform=transform,
+        mask=None if all(episode.mask) else episode.mask,
+    )
+
+
+def group_params(sampling: SamplingParams, group_size: int, seed: int, g: int) -> SamplingParams:
+    """The sampling parameters of group g: its seed depends only on (run seed, g)."""
+    return replace(sampling, n=group_size, seed=seed * 7919 + g)
+
+
+class Orchestrator:
+    """Admission under the lag bound and collection into groups; subclasses run the workers.
+
+    A subclass implements `_run_worker(i)`, the body of worker i's thread: under `self.cond` it
+    asks `_next_work` what to do (a weight load, groups to start), does it outside the lock,
+    reports loads with `_loaded_version` and finished samples with `_collect`, and returns when
+    `self._stop` is set. An exception it raises reaches the trainer from `get_groups`.
+    """
+
     def __init__(
         self,
-        make_engine: Callable[[], Engine],
-        env,
         *,
         prompts_per_step: int,
         group_size: int,
@@ -44,49 +74,53 @@ class LocalBackend:
         seed: int,
         workers: int = 1,
         weight_update_interval: int = 1,
-        rollout_delay_s: float = 0.0,
         state: dict | None = None,
     ):
-        self.make_engine, self.env = make_engine, env
         self.prompts_per_step, self.group_size, self.max_lag = prompts_per_step, group_size, max_lag
         self.sampling, self.seed, self.num_workers = sampling, seed, workers
-        self.rollout_delay_s, self.weight_update_interval = rollout_delay_s, weight_update_interval
+        self.weight_update_interval = weight_update_interval
         self.cond = threading.Condition()
         self.version = 0
-        self.weights: dict[str, torch.Tensor] | None = None
+        self.weights: Any = None  # what `_share` made of the latest published state dict
         state = state or {}
         self.next_group = state.get("next_group", 0)
         self.dropped = state.get("dropped", 0)
         self.finished: dict[int, list[Rollout]] = {
             int(g): [Rollout.from_dict(r) for r in rs] for g, rs in state.get("finished", {}).items()
         }
-        # Groups that were in flight when the checkpoint was taken: sampled again from scratch.
+        # Groups that were in flight when the checkpoint was taken (or on a worker that was lost):
+        # sampled again from scratch.
         self.restart: list[int] = sorted(state.get("in_flight", []))
         self.in_flight: set[int] = set()
         self._partial: dict[int, dict[int, Rollout]] = {}  # in-flight groups' finished samples
         self.reward_failures = state.get("reward_failures", 0)
         # Engine weight updates (each recomputes the K/V in flight); a resume continues the count.
         self.weight_loads = state.get("weight_loads", 0)
-        self._loaded: dict[str, int] = {}  # worker thread name -> version its engine holds
+        self.worker_restarts = state.get("worker_restarts", 0)
+        self._loaded: dict[str, int] = {}  # worker name -> version its engine holds
         self.grader_timeouts = state.get("grader_timeouts", 0)
+        self.last_groups: list[int] = []  # indices of the groups the last get_groups handed out
         self.errors: list[BaseException] = []
         self._stop = False
         self._threads: list[threading.Thread] = []
-        # Environment steps of every worker run on one event loop: slow tools wait concurrently.
-        self._loop = AsyncLoop()
 
     # -------------------------------------------------------------- trainer side
 
+    def _share(self, weights: dict[str, torch.Tensor]) -> Any:
+        """How a published state dict reaches the workers (in-process: the dict itself)."""
+        return weights
+
     def start(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.weights, self.version = weights, version
+        self.weights, self.version = self._share(weights), version
         for i in range(self.num_workers):
-            t = threading.Thread(target=self._worker, name=f"rollout-{i}", daemon=True)
+            t = threading.Thread(target=self._worker, args=(i,), name=f"rollout-{i}", daemon=True)
             t.start()
             self._threads.append(t)
 
     def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        shared = self._share(weights)  # once per version, outside the lock
         with self.cond:
-            self.weights, self.version = weights, version
+            self.weights, self.version = shared, version
             self.cond.notify_all()
 
     def get_groups(self, step: int, count: int) -> list[list[Rollout]]:
@@ -103,6 +137,7 @@ class LocalBackend:
                         self.cond.notify_all()
                 if len(self.finished) >= count:
                     chosen = sorted(self.finished)[:count]
+                    self.last_groups = chosen
                     return [self.finished.pop(g) for g in chosen]
                 self.cond.wait(timeout=0.5)
 
@@ -112,7 +147,10 @@ class LocalBackend:
             self.cond.notify_all()
         for t in self._threads:
             t.join(timeout=30)
-        self._loop.close()
+        self._close()
+
+    def _close(self) -> None:
+        """Release what the workers shared (called once their threads have ended)."""
 
     def state_dict(self) -> dict:
         with self.cond:
@@ -123,6 +161,7 @@ class LocalBackend:
                 # A resumed worker loads the current version again first: leave out the loads of
                 # it that already happened, so the resumed count continues like an unbroken run.
                 "weight_loads": self.weight_loads - sum(v == self.version for v in self._loaded.values()),
+                "worker_restarts": self.worker_restarts,
                 "grader_timeouts": self.grader_timeouts,
                 "finished": {g: [r.to_dict() for r in rs] for g, rs in self.finished.items()},
                 "in_flight": sorted(self.in_flight | set(self.restart)),
@@ -137,12 +176,17 @@ class LocalBackend:
                 "rollout/queued_groups": float(len(self.finished)),
                 "rollout/in_flight_groups": float(len(self.in_flight)),
                 "rollout/weight_loads": float(self.weight_loads),
+                "rollout/worker_restarts": float(self.worker_restarts),
+                # The group indices the step trained on (oldest and newest): with the count, the
+                # record of which groups were trained, each exactly once.
+                "rollout/first_group": float(min(self.last_groups, default=-1)),
+                "rollout/last_group": float(max(self.last_groups, default=-1)),
             }
 
     # --------------------------------------------------------------- worker side
 
     def _admissible(self) -> int | None:
-        """The next group this worker may start, or None (called with the lock held)."""
+        """The next group a worker may start, or None (called with the lock held)."""
         if self.restart:
             return self.restart.pop(0)
         limit = (self.version + self.max_lag + 1) * self.prompts_per_step + self.dropped
@@ -151,15 +195,82 @@ class LocalBackend:
             return self.next_group - 1
         return None
 
-    def _worker(self) -> None:
+    def _next_work(self, local_version: int | None) -> tuple[Any, int | None, list[int]]:
+        """(weights or None, their version, groups to start) for a worker whose engine holds
+        `local_version` (None: not loaded yet). Called with the lock held; the groups returned
+        are in flight from now on."""
+        due = local_version is None or self.version - local_version >= self.weight_update_interval
+        weights, version = (self.weights, self.version) if due else (None, None)
+        starts = []
+        while (g := self._admissible()) is not None:
+            starts.append(g)
+            self.in_flight.add(g)
+            self._partial[g] = {}
+        return weights, version, starts
+
+    def _loaded_version(self, worker: str, version: int) -> None:
+        with self.cond:
+            self.weight_loads += 1
+            self._loaded[worker] = version
+
+    def _lost(self, worker: str, groups: Iterable[int], restarted: bool) -> None:
+        """Worker `worker` died: its in-flight `groups` are sampled again from scratch (their
+        partial samples dropped) and its engine must load weights again."""
+        with self.cond:
+            for g in groups:
+                if g in self.in_flight:
+                    self.in_flight.discard(g)
+                    self._partial.pop(g, None)
+                    self.restart.append(g)
+            self.restart.sort()
+            self._loaded.pop(worker, None)
+            self.worker_restarts += int(restarted)
+            self.cond.notify_all()
+
+    def _collect(self, g: int, sample: int, rollout: Rollout, failed: bool, grader_timeout: bool) -> bool:
+        """Add one finished sample of group g; True when that completed the group."""
+        with self.cond:
+            members = self._partial[g]
+            members[sample] = rollout
+            self.reward_failures += int(failed)
+            self.grader_timeouts += int(grader_timeout)
+            complete = len(members) == self.group_size
+            if complete:
+                del self._partial[g]
+                self.in_flight.discard(g)
+                self.finished[g] = [members[j] for j in range(self.group_size)]
+            self.cond.notify_all()
+            return complete
+
+    def _worker(self, i: int) -> None:
         try:
-            self._work()
+            self._run_worker(i)
         except BaseException as err:  # surface to the trainer instead of dying silently
             with self.cond:
                 self.errors.append(err)
                 self.cond.notify_all()
 
-    def _work(self) -> None:
+    def _run_worker(self, i: int) -> None:
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+class LocalBackend(Orchestrator):
+    """Workers as threads of this process, each with its own engine; environment steps of every
+    worker run on one event loop, so slow tools wait concurrently."""
+
+    def __init__(self, make_engine: Callable[[], Engine], env, *, rollout_delay_s: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.make_engine, self.env, self.rollout_delay_s = make_engine, env, rollout_delay_s
+        self._loop = AsyncLoop()
+
+    def _close(self) -> None:
+        self._loop.close()
+
+    def _run_worker(self, i: int) -> None:
         engine = self.make_engine()
         runner = EpisodeRunner(engine, self.env, self._loop, self._episode_done, wake=self._wake, delay_s=self.rollout_delay_s)
         local_version = None
@@ -167,50 +278,19 @@ class LocalBackend:
             with self.cond:
                 if self._stop:
                     return
-                due = local_version is None or self.version - local_version >= self.weight_update_interval
-                weights, version = (self.weights, self.version) if due else (None, None)
-                starts = []
-                while (g := self._admissible()) is not None:
-                    starts.append(g)
-                    self.in_flight.add(g)
-                    self._partial[g] = {}
+                weights, version, starts = self._next_work(local_version)
                 if weights is None and not starts and not runner.has_engine_work():
                     self.cond.wait(timeout=0.5)
                     continue
             if weights is not None:
                 engine.update_weights(weights, version)
                 local_version = version
-                with self.cond:
-                    self.weight_loads += 1
-                    self._loaded[threading.current_thread().name] = version
+                self._loaded_version(threading.current_thread().name, version)
             for g in starts:
-                params = replace(self.sampling, n=self.group_size, seed=self.seed * 7919 + g)
-                runner.add(g, self.env.task(g), params)
+                runner.add(g, self.env.task(g), group_params(self.sampling, self.group_size, self.seed, g))
             runner.step()
-
-    def _wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
 
     def _episode_done(self, episode: Episode) -> None:
         """Called on the env loop: collect the group; hand it over once all its samples are in."""
-        g = episode.key
-        rollout = Rollout(
-            prompt_ids=episode.prompt_ids,
-            completion_ids=episode.token_ids,
-            logprobs=episode.logprobs,
-            versions=episode.versions,
-            reward=episode.reward,
-            transform=self.sampling.transform,
-            mask=None if all(episode.mask) else episode.mask,
-        )
-        with self.cond:
-            members = self._partial[g]
-            members[episode.sample] = rollout
-            self.reward_failures += int(episode.failed)
-            self.grader_timeouts += int(episode.grader_timeout)
-            if len(members) == self.group_size:
-                del self._partial[g]
-                self.in_flight.discard(g)
-                self.finished[g] = [members[j] for j in range(self.group_size)]
-            self.cond.notify_all()
+        rollout = rollout_of(episode, self.sampling.transform)
+        self._collect(episode.key, episode.sample, rollout, episode.failed, episode.grader_timeout)

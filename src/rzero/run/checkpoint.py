@@ -17,12 +17,12 @@ import torch
 
 from rzero.files import atomic_write_text
 from rzero.model.io import load_model, read_tokenizer_files, save_model
-from rzero.rollout.orchestrator import LocalBackend
+from rzero.rollout.orchestrator import Orchestrator
 from rzero.train.trainer import Trainer
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, trainer: Trainer, backend: LocalBackend, tokenizer_files: dict[str, bytes]
+    run_dir: Path, step: int, trainer: Trainer, backend: Orchestrator, tokenizer_files: dict[str, bytes]
 ) -> Path:
     """Write checkpoints/step_N completely, then point `latest` at it; keep the last two."""
     root = run_dir / "checkpoints"

@@ -19,6 +19,17 @@ from types import ModuleType
 EXTRA_HINT = "pip install -e '.[distributed]'"
 
 
+def needs_ray(config) -> bool:
+    """Whether a run config asks for Ray (rollout actors or data-parallel trainer ranks)."""
+    return config.rollout.backend == "ray" or config.train.world_size > 1
+
+
+def cpus_needed(config) -> float:
+    """CPUs the run's actors ask Ray for (the driver, trainer rank 0, takes none)."""
+    r = config.rollout
+    return (r.workers * r.cpus_per_worker if r.backend == "ray" else 0) + (config.train.world_size - 1)
+
+
 def require_ray(what: str) -> ModuleType:
     """The `ray` module, or a one-line ValueError naming the extra that provides it."""
     try:

@@ -11,6 +11,7 @@ Run directory layout:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import json
@@ -25,14 +26,14 @@ from pathlib import Path
 import torch
 
 from rzero.config import RunConfig, config_to_toml, load_config
-from rzero.engine import Engine, SamplingParams
 from rzero.envs import make_env as build_env
 from rzero.files import atomic_write_text
 from rzero.model.io import load_model, parse_dtype, read_tokenizer_files, save_model
 from rzero.model.presets import init_model
 from rzero.model.tokenizer import load_tokenizer
-from rzero.rollout.orchestrator import LocalBackend
+from rzero.run.backends import EngineFactory, check_backend, make_backend
 from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
+from rzero.run.cluster import cpus_needed, needs_ray, open_cluster
 from rzero.run.metrics_log import MetricsLog
 from rzero.run.ranks import TrainerRanks
 from rzero.run.warm_start import warm_start
@@ -90,7 +91,8 @@ def train(
             import wandb  # noqa: F401  (optional; checked before anything starts)
         except ImportError:
             raise ValueError("run.wandb = true needs the wandb package (pip install wandb)") from None
-    ranks = TrainerRanks(config, run_dir, log=log)  # world_size > 1 without Ray fails here, before anything
+    check_backend(config)  # rollout.backend = "ray" without Ray fails here, before anything
+    ranks = TrainerRanks(config, run_dir, log=log)  # and so does world_size > 1
     run_dir.mkdir(parents=True, exist_ok=True)
     found = find_resume_checkpoint(run_dir, log=log) if resume else None
     checkpoint, saved = found if found is not None else (None, None)
@@ -128,40 +130,31 @@ def train(
     start_step = trainer.version
 
     r = config.rollout
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
-    # Snapshot now: workers build engines in their own threads while the trainer is stepping.
+    # Snapshot now: workers build engines (in their threads or actors) while the trainer is stepping.
     engine_template = copy.deepcopy(trainer.compute).requires_grad_(False)
-
-    def make_engine() -> Engine:
-        return Engine(
-            engine_template,  # each engine takes its own copy
-            numerics=trainer.numerics,
-            dtype=dtype,
-            tokenizer=tokenizer,
-            recompute_on_update=r.recompute_on_update,
-            seed=config.run.seed,
-            version=trainer.version,
-        )
-
-    backend = LocalBackend(
-        make_engine,
-        env if env is not None else make_env(config),
-        prompts_per_step=r.prompts_per_step,
-        group_size=r.group_size,
-        max_lag=r.max_lag,
-        sampling=sampling,
+    make_engine = EngineFactory(
+        engine_template,
+        numerics=trainer.numerics if r.backend == "local" else config.model.numerics,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        recompute_on_update=r.recompute_on_update,
         seed=config.run.seed,
-        workers=r.workers,
-        weight_update_interval=r.weight_update_interval,
-        rollout_delay_s=config.env.rollout_delay_s,
-        state=orchestrator_state,
+        version=trainer.version,
     )
+    resources = contextlib.ExitStack()  # the Ray cluster and the rollout actors' reservation
+    try:
+        if needs_ray(config):  # opened once, sized for every actor; the backend and the ranks join it
+            resources.enter_context(open_cluster(config.cluster, cpus_needed(config), "a distributed run"))
+        backend = make_backend(config, make_engine, env, orchestrator_state, resources)
+    except BaseException:
+        resources.close()
+        raise
     metrics_log = MetricsLog(run_dir, config, keep_below_step=start_step if resume else None)
     bar = _ProgressBar(t.steps, start_step) if progress else None
-    backend.start(trainer.engine_state_dict(), trainer.version)
     stopped_because = None
     consecutive_skips = 0
     try:
+        backend.start(trainer.engine_state_dict(), trainer.version)
         ranks.start(trainer)  # data-parallel ranks 1..K-1 from the trainer's weights and state
         for step in range(start_step, t.steps):
             t0 = time.perf_counter()
@@ -205,6 +198,7 @@ def train(
     finally:
         backend.stop()
         ranks.close(trainer)
+        resources.close()
         metrics_log.close()
         if bar is not None:
             bar.close()

@@ -1,0 +1,90 @@
+"""`RolloutWorker`: one rollout worker as a Ray actor, with its own engine and environment.
+
+The driver's proxy thread for this actor (rzero.rollout.ray_backend) calls `work` over and over;
+each call loads weights when they are given (the engine recomputes the K/V in flight, as in the
+local backend), starts the given groups with the same seeds as the local backend, steps the engine
+for a bounded slice, and returns the samples that finished meanwhile. Environment steps run on the
+actor's own asyncio loop, so slow tools wait concurrently as in-process.
+
+This module imports no Ray: the backend wraps the class with `ray.remote` when it starts actors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from rzero.engine import Engine, SamplingParams
+from rzero.rollout.episodes import AsyncLoop, Episode, EpisodeRunner
+from rzero.rollout.orchestrator import group_params, rollout_of
+from rzero.rollout.record import Rollout
+
+# One finished sample: (group, sample index, record, env failed, grader timed out).
+Finished = tuple[int, int, Rollout, bool, bool]
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        make_engine: Callable[[], Engine],
+        make_env: Callable[[], object],
+        sampling: SamplingParams,
+        group_size: int,
+        seed: int,
+        delay_s: float = 0.0,
+        slice_s: float = 0.2,
+    ):
+        self.engine, self.env = make_engine(), make_env()
+        self.sampling, self.group_size, self.seed, self.slice_s = sampling, group_size, seed, slice_s
+        self._changed = threading.Condition()
+        self._done: list[Finished] = []
+        self._loop = AsyncLoop()
+        # Which life of the actor this is: Ray restarts a killed actor from scratch, and the proxy
+        # learns of a restart it did not see fail from a new incarnation in `work`'s answer.
+        self.incarnation = uuid.uuid4().hex
+        self.loaded = False  # no weights loaded yet: this life must not sample until they are
+        self.runner = EpisodeRunner(self.engine, self.env, self._loop, self._finished, wake=self._wake, delay_s=delay_s)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def work(
+        self, weights: dict | None, version: int | None, starts: list[int], wait: bool = True
+    ) -> tuple[str, bool, list[Finished]]:
+        """Load `weights` (stamped `version`) if given, start the groups `starts`, and step the
+        engine until a sample finishes or the slice is over. Returns (incarnation, whether the
+        call ran, the samples finished so far); it does not run (starts nothing) when this life
+        of the actor has no weights yet and none were given. `wait=False` (nothing in flight
+        here): return right after the load."""
+        if weights is not None:
+            self.engine.update_weights(weights, version)
+            self.loaded = True
+        if not self.loaded:
+            return self.incarnation, False, []
+        for g in starts:
+            self.runner.add(g, self.env.task(g), group_params(self.sampling, self.group_size, self.seed, g))
+        deadline = time.monotonic() + (self.slice_s if wait else 0.0)
+        while True:
+            with self._changed:
+                left = deadline - time.monotonic()
+                if self._done or left <= 0:
+                    done, self._done = self._done, []
+                    return self.incarnation, True, done
+                if not self.runner.has_engine_work():  # every episode waits on its environment
+                    self._changed.wait(timeout=left)
+                    continue
+            self.runner.step()
+
+    def _finished(self, episode: Episode) -> None:  # on the env loop
+        with self._changed:
+            self._done.append(
+                (episode.key, episode.sample, rollout_of(episode, self.sampling.transform), episode.failed, episode.grader_timeout)
+            )
+            self._changed.notify_all()
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
