@@ -106,10 +106,12 @@ def test_async_run_on_ray_has_zero_kernel_mismatch(local_ray, tmp_path):
     assert any(m["lag/max"] > 0 for m in rows), "an async run at max_lag 2 trains on lagged tokens"
 
 
-def actor_pids() -> list[int]:
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(ACTOR_PREFIX)]
-    handles = [ray.get_actor(n, namespace=a) for n, a in zip(names, [None] * len(names))]
-    return ray.get([h.pid.remote() for h in handles])
+def actor_names() -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(ACTOR_PREFIX)}
+
+
+def actor_pids(names) -> list[int]:
+    return ray.get([ray.get_actor(n).pid.remote() for n in sorted(names)])
 
 
 def test_killed_actor_is_restarted_and_no_group_is_lost_or_trained_twice(local_ray, local_sync, tmp_path):
@@ -117,6 +119,7 @@ def test_killed_actor_is_restarted_and_no_group_is_lost_or_trained_twice(local_r
     # Rewards arrive 0.3 s after each episode: the kill lands while groups are in flight.
     config = sync_config("rollout.backend=ray", "rollout.workers=2", "env.rollout_delay_s=0.3")
     killed: list[int] = []
+    earlier = actor_names()  # actors of earlier runs may still be winding down: never kill those
 
     def killer() -> None:
         deadline = time.monotonic() + 40
@@ -124,7 +127,7 @@ def test_killed_actor_is_restarted_and_no_group_is_lost_or_trained_twice(local_r
             path = run_dir / "metrics.jsonl"
             if path.is_file() and len(path.read_text().splitlines()) >= 2:
                 time.sleep(0.1)  # into step 2's sampling
-                pid = actor_pids()[0]
+                pid = actor_pids(actor_names() - earlier)[0]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
