@@ -1,6 +1,7 @@
 """Ray vs local step time at equal worker count, and async vs sync on Ray, in one run.
 
     python benchmarks/bench_distributed.py [--steps 20] [--reps 1] [--workloads default,tool_calc]
+    python benchmarks/bench_distributed.py --memory-steps 200     # peak RSS of driver and actors
 
 For each workload (the default job; tool_calc_lag64, whose calculator has a log-normal latency with
 a 1 s median) it trains the same steps from the same warm-started model with `rollout.backend =
@@ -8,14 +9,21 @@ local` and `= ray` (same `rollout.workers`), interleaved, and prints the median 
 and their ratio (target: Ray overhead <= 1.15x). Then, on Ray, the slow-tool workload's async run
 against its synchronous twin (max_lag 0; target >= 3x, as local). Steps are timed from the
 metrics (`time/step`), skipping the first steps (actor start-up, first weight load).
+
+`--memory-steps N` instead runs configs/ray.toml (2 rollout actors, 2 trainer ranks) for N steps
+and samples the resident memory of the driver and of every actor process once a second (Linux
+/proc), printing each process kind's RSS at 10 %, 50 % and 100 % of the run and its peak: flat
+memory means back-pressure holds (actors never keep more than max_lag + 1 steps of groups).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,13 +49,66 @@ def step_time(rows: list[dict], skip: int) -> float:
     return statistics.median(r["time/step"] for r in rows[skip:])
 
 
+def rss_by_kind() -> dict[str, float]:
+    """MiB resident, summed per process kind: the driver, and Ray actors by their process title."""
+    out = {"driver": _rss_mib(os.getpid())}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        for kind in ("RolloutWorker", "RankActor"):
+            if title.startswith(f"ray::{kind}"):
+                out[kind] = out.get(kind, 0.0) + _rss_mib(int(pid))
+    return out
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def memory(steps: int) -> None:
+    samples: list[tuple[float, dict[str, float]]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(1.0):
+            samples.append((time.perf_counter(), rss_by_kind()))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sampler = threading.Thread(target=sample, daemon=True)
+        start = time.perf_counter()
+        sampler.start()
+        train(load_config("configs/ray.toml", [f"train.steps={steps}", "run.tensorboard=false"]), Path(tmp) / "run",
+              progress=False, log=lambda *a: None)
+        done.set()
+        sampler.join()
+    wall = time.perf_counter() - start
+    print(f"configs/ray.toml, {steps} steps, {wall:.0f} s; resident memory (MiB) sampled every second")
+    kinds = sorted({k for _, s in samples for k in s})
+    for kind in kinds:
+        series = [s.get(kind, 0.0) for _, s in samples if s.get(kind)]
+        at = lambda f: series[min(len(series) - 1, int(f * len(series)))]  # noqa: E731
+        print(f"  {kind:13s} at 10% {at(0.1):7.0f}   50% {at(0.5):7.0f}   100% {series[-1]:7.0f}   peak {max(series):7.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the step time")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--workloads", default="default,tool_calc")
+    parser.add_argument("--memory-steps", type=int, help="measure memory over a run of this many steps instead")
     args = parser.parse_args()
+    if args.memory_steps:
+        memory(args.memory_steps)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name in args.workloads.split(","):
