@@ -119,14 +119,18 @@ def main() -> None:
                 cases["ray sync"] = [*extra, "rollout.backend=ray", "rollout.max_lag=0", "rollout.weight_update_interval=1"]
             times: dict[str, list[float]] = {c: [] for c in cases}
             walls: dict[str, list[float]] = {c: [] for c in cases}
+            parts: dict[str, tuple[float, float]] = {}
             for rep in range(args.reps):  # interleaved: the machine is noisy
                 for case, overrides in cases.items():
                     wall, rows = run(path, base, tmp / f"{name}-{case.replace(' ', '_')}-{rep}", overrides, args.steps)
                     times[case].append(step_time(rows, args.skip))
                     walls[case].append(wall)
+                    parts[case] = tuple(statistics.median(r[k] for r in rows[args.skip:]) for k in ("time/train", "time/wait_rollouts"))
             print(f"\n{name} ({path} {' '.join(extra)}; {args.steps} steps, step time = median time/step after {args.skip})")
             for case in cases:
-                print(f"  {case:9s} step {statistics.median(times[case]):6.3f} s   wall {statistics.median(walls[case]):6.1f} s")
+                train_s, wait_s = parts[case]
+                print(f"  {case:9s} step {statistics.median(times[case]):6.3f} s (train {train_s:.3f}, waiting for "
+                      f"rollouts {wait_s:.3f})   wall {statistics.median(walls[case]):6.1f} s")
             ratio = statistics.median(times["ray"]) / statistics.median(times["local"])
             print(f"  Ray / local step time: {ratio:.2f}x   (target <= 1.15x)")
             if "ray sync" in cases:
