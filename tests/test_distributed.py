@@ -98,6 +98,19 @@ def test_sync_run_on_ray_is_bitwise_the_local_run(local_ray, local_sync, tmp_pat
     assert all(m["rollout/worker_restarts"] == 0 for m in rows)
 
 
+def test_resume_on_ray_continues_the_run_bitwise(local_ray, local_sync, tmp_path):
+    """Stop a Ray run after 3 of 6 steps, resume it (fresh actors, same backend): the metrics are
+    the uninterrupted local run's."""
+    run_dir = tmp_path / "run"
+    first = sync_config("rollout.backend=ray", "rollout.workers=2", "train.steps=3", "run.checkpoint_every=3")
+    run(first, run_dir)
+    train(sync_config("rollout.backend=ray", "rollout.workers=2"), run_dir, resume=True, progress=False,
+          env=DigitSevenEnv(), log=lambda *a: None)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    same_but_timing(local_sync, rows)
+    every_group_once(rows)
+
+
 def test_async_run_on_ray_has_zero_kernel_mismatch(local_ray, tmp_path):
     config = sync_config("rollout.backend=ray", "rollout.workers=2", "rollout.max_lag=2", "train.steps=6")
     rows = run(config, tmp_path / "run")
