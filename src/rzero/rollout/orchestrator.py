@@ -158,14 +158,20 @@ class Orchestrator:
                 "next_group": self.next_group,
                 "dropped": self.dropped,
                 "reward_failures": self.reward_failures,
-                # A resumed worker loads the current version again first: leave out the loads of
-                # it that already happened, so the resumed count continues like an unbroken run.
-                "weight_loads": self.weight_loads - sum(v == self.version for v in self._loaded.values()),
+                # A resumed worker loads the current version again first: the loads of it that
+                # already happened are left out, so the resumed count continues like an unbroken run.
+                "weight_loads": self._loads_before_current(),
                 "worker_restarts": self.worker_restarts,
                 "grader_timeouts": self.grader_timeouts,
                 "finished": {g: [r.to_dict() for r in rs] for g, rs in self.finished.items()},
                 "in_flight": sorted(self.in_flight | set(self.restart)),
             }
+
+    def _loads_before_current(self) -> int:
+        """Engine weight loads of versions before the newest published one. Loads of the newest
+        race with the trainer reading the stats right after publishing it; leaving them out makes
+        the count the same in every run of a synchronous config (and across a resume)."""
+        return self.weight_loads - sum(v == self.version for v in self._loaded.values())
 
     def stats(self) -> dict[str, float]:
         with self.cond:
@@ -175,7 +181,7 @@ class Orchestrator:
                 "reward/grader_timeouts": float(self.grader_timeouts),
                 "rollout/queued_groups": float(len(self.finished)),
                 "rollout/in_flight_groups": float(len(self.in_flight)),
-                "rollout/weight_loads": float(self.weight_loads),
+                "rollout/weight_loads": float(self._loads_before_current()),
                 "rollout/worker_restarts": float(self.worker_restarts),
                 # The group indices the step trained on (oldest and newest): with the count, the
                 # record of which groups were trained, each exactly once.
