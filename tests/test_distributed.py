@@ -138,9 +138,10 @@ def test_killed_actor_is_restarted_and_no_group_is_lost_or_trained_twice(local_r
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline:
             path = run_dir / "metrics.jsonl"
-            if path.is_file() and len(path.read_text().splitlines()) >= 2:
+            ours = actor_names() - earlier
+            if ours and path.is_file() and len(path.read_text().splitlines()) >= 2:
                 time.sleep(0.1)  # into step 2's sampling
-                pid = actor_pids(actor_names() - earlier)[0]
+                pid = actor_pids(ours)[0]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
@@ -151,7 +152,7 @@ def test_killed_actor_is_restarted_and_no_group_is_lost_or_trained_twice(local_r
     rows = run(config, run_dir)
     side.join(timeout=5)
     assert killed, "the side thread never killed an actor"
-    assert rows[-1]["rollout/worker_restarts"] >= 1
+    assert rows[-1]["rollout/worker_restarts"] >= 1, (killed, [(m["step"], m["rollout/worker_restarts"]) for m in rows])
     every_group_once(rows)
     # Sync: a group sampled again after the kill is sampled with the same weights and seed, so the
     # run is still the local run, number for number (the restarted actor loaded weights again).

@@ -98,6 +98,7 @@ class Orchestrator:
         self.weight_loads = state.get("weight_loads", 0)
         self.worker_restarts = state.get("worker_restarts", 0)
         self._loaded: dict[str, int] = {}  # worker name -> version its engine holds
+        self._all_loaded_once = False
         self.grader_timeouts = state.get("grader_timeouts", 0)
         self.last_groups: list[int] = []  # indices of the groups the last get_groups handed out
         self.errors: list[BaseException] = []
@@ -124,12 +125,21 @@ class Orchestrator:
             self.cond.notify_all()
 
     def get_groups(self, step: int, count: int) -> list[list[Rollout]]:
-        """Block until `count` finished groups whose tokens all have lag <= max_lag at `step`."""
+        """Block until `count` finished groups whose tokens all have lag <= max_lag at `step`.
+
+        The first call also waits until every worker has loaded weights once: groups restored
+        from a checkpoint could otherwise be trained before a resumed worker's first load, and
+        `rollout/weight_loads` would depend on that race."""
         oldest_allowed = step - self.max_lag
         with self.cond:
             while True:
                 if self.errors:
                     raise RuntimeError("a rollout worker failed") from self.errors[0]
+                if not self._all_loaded_once:
+                    if len(self._loaded) < self.num_workers:
+                        self.cond.wait(timeout=0.5)
+                        continue
+                    self._all_loaded_once = True
                 for g in sorted(self.finished):
                     if min(min(r.policy_versions(), default=step) for r in self.finished[g]) < oldest_allowed:
                         del self.finished[g]
@@ -218,6 +228,7 @@ class Orchestrator:
         with self.cond:
             self.weight_loads += 1
             self._loaded[worker] = version
+            self.cond.notify_all()
 
     def _lost(self, worker: str, groups: Iterable[int], restarted: bool) -> None:
         """Worker `worker` died: its in-flight `groups` are sampled again from scratch (their
