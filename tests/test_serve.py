@@ -22,7 +22,6 @@ import httpx
 import openai
 import pytest
 import torch
-import torch.nn.functional as F
 import uvicorn
 
 from rzero import cli
@@ -31,10 +30,12 @@ from rzero.engine.sequence import StepOutput
 from rzero.model.io import load_model
 from rzero.model.tokenizer import load_tokenizer
 from rzero.ops import AttentionMeta
+from rzero.rollout.record import Rollout
 from rzero.serve import ChatTemplate, build_app
 from rzero.serve.sample import Sample
 from rzero.serve.text import TokenPieces, settled_length
 from rzero.serve.tool_calls import ParsedToolCall, parse_tool_calls
+from rzero.train.trainer import Trainer, TrainerSettings
 
 MODEL = "tiny"
 TOOLS = [
@@ -508,17 +509,19 @@ def tool_base_url(model_dir, template):
     tokenizer = load_tokenizer(model_dir)
     prompt = tokenizer.encode(hf_chat_prompt(model_dir, TOOL_QUESTION, TOOLS), add_special_tokens=False).ids
     target = tokenizer.encode(TOOL_ANSWER + "<|im_end|>", add_special_tokens=False).ids
-    model = load_model(model_dir, "fp32")
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
+    # The trainer's own supervised step (AdamW, no weight decay, no clipping = Adam).
+    settings = TrainerSettings(lr=2e-2, grad_clip=math.inf, decompose=False)
+    trainer = Trainer(load_model(model_dir, "fp32"), torch.float32, settings)
+    model = trainer.master
+    answer = Rollout(prompt, target, [0.0] * len(target), [0] * len(target), 0.0)
     tokens, targets = torch.tensor(prompt + target), torch.tensor(target)
     meta, _ = AttentionMeta.for_sequences([len(tokens)], row_tile=model.numerics.row_tile)
     for _ in range(300):  # until greedy decoding reproduces the answer (about 130 steps)
-        logits = model.logits(model(tokens, meta))[len(prompt) - 1 : -1]
+        with torch.no_grad():
+            logits = model.logits(model(tokens, meta))[len(prompt) - 1 : -1]
         if torch.equal(logits.argmax(-1), targets):
             break
-        optimizer.zero_grad()
-        F.cross_entropy(logits, targets).backward()
-        optimizer.step()
+        trainer.supervised_step([answer])
     with running(build_app(Engine(model, tokenizer=tokenizer), MODEL, template)) as url:
         yield url
 
