@@ -134,7 +134,7 @@ def train(
     engine_template = copy.deepcopy(trainer.compute).requires_grad_(False)
     make_engine = EngineFactory(
         engine_template,
-        numerics=trainer.numerics if r.backend == "local" else config.model.numerics,
+        numerics=config.model.numerics,
         dtype=dtype,
         tokenizer=tokenizer,
         recompute_on_update=r.recompute_on_update,
