@@ -133,3 +133,13 @@ def test_kill9_resume_is_bitwise_identical_in_sync_mode(tmp_path, warm_base):
     assert [m["step"] for m in resumed_rows] == list(range(8))
     assert _comparable(resumed_rows) == _comparable(ref_rows)
     assert any(m["grad_norm"] > 0 for m in ref_rows) and len({m["reward/mean"] for m in ref_rows}) > 1
+
+
+def test_engines_in_another_dtype_show_the_kernel_mismatch(tmp_path):
+    """The common-stack control (rollout.engine_dtype): engines sampling in bf16 for a trainer
+    scoring in fp32 give w != 1 at lag 0, and the decomposition puts it all in the kernel part."""
+    config = small_config(tmp_path, "model.dtype=fp32", "rollout.engine_dtype=bf16", "rollout.max_lag=0", "train.steps=2")
+    train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["lag/max"] == 0 and m["mismatch/lag_max_abs"] == 0.0 for m in rows)
+    assert all(m["mismatch/kernel_max_abs"] > 1e-4 and m["is/peak"] != 1.0 for m in rows)

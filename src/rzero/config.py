@@ -116,6 +116,9 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     workers: int = Field(1, ge=1)
+    # The rollout engines' dtype; empty: model.dtype. A different one is the common-stack control
+    # (engines sample in bf16 while the trainer scores in fp32): a kernel mismatch IS cannot fix.
+    engine_dtype: Literal["", *DTYPE_NAMES] = ""
     cpus_per_worker: float = Field(1.0, ge=0)  # Ray resources of each rollout actor
     gpus_per_worker: float = Field(0.0, ge=0)
     recompute_on_update: bool = True

@@ -135,7 +135,7 @@ def train(
     make_engine = EngineFactory(
         engine_template,
         numerics=config.model.numerics,
-        dtype=dtype,
+        dtype=parse_dtype(r.engine_dtype or config.model.dtype),
         tokenizer=tokenizer,
         recompute_on_update=r.recompute_on_update,
         seed=config.run.seed,
