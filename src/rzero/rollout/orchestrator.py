@@ -268,7 +268,8 @@ class Orchestrator:
                 self.cond.notify_all()
 
     def _run_worker(self, i: int) -> None:
-        raise NotImplementedError
+        """Worker i's loop; each backend says where it runs (LocalBackend, RayBackend)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its workers run")
 
     def _wake(self) -> None:
         with self.cond:

@@ -41,6 +41,12 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def _score(trainer, micro_batch: list[Rollout], loss_fn: LossFn) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A micro-batch's token logprobs (autograd on) and its share of the loss."""
+    lps = trainer.token_logprobs(trainer.compute, micro_batch)
+    return lps, loss_fn(micro_batch, lps)
+
+
 class _Reduce:
     """Shared part: which micro-batches are this rank's, and the gather of losses and logprobs."""
 
@@ -64,6 +70,16 @@ class _Reduce:
             return []
         merged = {i: v for part in everyone for i, v in part.items()}
         return [lp for i in range(n) for lp in merged[i]]
+
+    def _gather_losses(self, local: dict, n: int) -> tuple[dict, list[bool], list[float]]:
+        """Every rank's {micro-batch: (loss, finite, ...)} merged on every rank, with the finite
+        flags and losses in micro-batch order (a micro-batch no rank reached counts as not finite)."""
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, local)
+        merged = {i: v for part in everyone for i, v in part.items()}
+        finite = [i in merged and merged[i][1] for i in range(n)]
+        losses = [merged[i][0] if i in merged else math.nan for i in range(n)]
+        return merged, finite, losses
 
     def _finish(self, losses: list[float], finite: list[bool], local_lps, n: int) -> Result | None:
         """(loss, logprobs, False) as one process returns it when a micro-batch loss is not
@@ -89,9 +105,7 @@ class OrderedReduce(_Reduce):
         local: dict[int, tuple[float, bool]] = {}
         local_lps: dict[int, list[torch.Tensor]] = {}
         for i in self._mine(n):
-            mb = micro_batches[i]
-            lps = trainer.token_logprobs(trainer.compute, mb)
-            loss = loss_fn(mb, lps)
+            lps, loss = _score(trainer, micro_batches[i], loss_fn)
             if not torch.isfinite(loss):
                 local[i] = (float("nan"), False)
                 break  # the step is skipped everywhere; the rest of this rank's work is moot
@@ -106,11 +120,7 @@ class OrderedReduce(_Reduce):
             local[i] = (float(loss.detach()), True)
             local_lps[i] = [x.detach() for x in lps]
         local = {i: (*v, masks.get(i)) for i, v in local.items()}
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, local)
-        merged = {i: v for part in everyone for i, v in part.items()}
-        finite = [i in merged and merged[i][1] for i in range(n)]
-        losses = [merged[i][0] if i in merged else math.nan for i in range(n)]
+        merged, finite, losses = self._gather_losses(local, n)
         skipped = self._finish(losses, finite, local_lps, n)
         if skipped is not None:
             return skipped
@@ -149,20 +159,14 @@ class AllReduce(_Reduce):
         local: dict[int, tuple[float, bool]] = {}
         local_lps: dict[int, list[torch.Tensor]] = {}
         for i in self._mine(n):
-            mb = micro_batches[i]
-            lps = trainer.token_logprobs(trainer.compute, mb)
-            loss = loss_fn(mb, lps)
+            lps, loss = _score(trainer, micro_batches[i], loss_fn)
             if not torch.isfinite(loss):
                 local[i] = (float("nan"), False)
-                break
+                break  # the step is skipped everywhere; the rest of this rank's work is moot
             loss.backward()
             local[i] = (float(loss.detach()), True)
             local_lps[i] = [x.detach() for x in lps]
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, local)
-        merged = {i: v for part in everyone for i, v in part.items()}
-        finite = [i in merged and merged[i][1] for i in range(n)]
-        losses = [merged[i][0] if i in merged else math.nan for i in range(n)]
+        merged, finite, losses = self._gather_losses(local, n)
         skipped = self._finish(losses, finite, local_lps, n)
         if skipped is not None:
             return skipped
