@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="number of trainer steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. rollout.max_lag=8")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--replay", metavar="RUN_DIR",
+                   help="re-execute RUN_DIR's recorded steps into --out and check the result is the same run")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("report", help="write PNG plots and a Markdown summary of a run")

@@ -176,6 +176,9 @@ class RunSection(Section):
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "rzero"
+    # rollouts.jsonl: what each step trained on, for `rzero train --replay` and exact resume
+    # (rzero.run.record; docs/design.md gives its size per step).
+    record_rollouts: bool = True
 
 
 class ClusterSection(Section):

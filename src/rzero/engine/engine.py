@@ -119,8 +119,7 @@ class Engine:
             first = None
             for i, rid in enumerate(ids):
                 seed = params.seed if params.seed is not None else self.seed * 1_000_003 + number
-                gen = torch.Generator().manual_seed(seed * 1009 + i)
-                seq = Sequence(rid, tokens, params, gen)
+                seq = Sequence(rid, tokens, params, sampler.sample_generator(seed, i))
                 # Group members wait until the first has computed the prompt, then reuse its blocks.
                 seq.wait_for = first
                 first = first or seq

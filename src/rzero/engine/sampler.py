@@ -14,6 +14,12 @@ from rzero.ops import Numerics
 Sampled = tuple[Sequence, int, float, list[tuple[int, float]] | None]  # seq, token, logprob, top
 
 
+def sample_generator(request_seed: int, index: int) -> torch.Generator:
+    """The generator of sample `index` of a request with seed `request_seed`: the only source of
+    its randomness, so a recorded run's tokens can be drawn again (rzero.rollout.replay)."""
+    return torch.Generator().manual_seed(request_seed * 1009 + index)
+
+
 def sample(numerics: Numerics, seqs: list[Sequence], logits: torch.Tensor) -> list[Sampled]:
     groups: dict = {}
     for row, seq in enumerate(seqs):

@@ -56,6 +56,11 @@ class AsyncLoop:
         self.loop.close()
 
 
+def turn_seed(task_seed: int, sample: int, turn: int) -> int:
+    """The request seed of a sample's later turn (turn >= 1): each gets its own, derived from the task's."""
+    return (task_seed * 1009 + sample) * 7919 + turn
+
+
 @dataclass
 class Episode:
     """One sample of a task: its tokens after the prompt, turn by turn, and its reward."""
@@ -68,6 +73,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # μ_t for model tokens, 0.0 for env tokens
     versions: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1: sampled by the model, 0: written by the env
+    turn_starts: list[int] = field(default_factory=list)  # index in token_ids where each model turn starts
     text: str = ""  # decoded completion (model turns and env responses)
     turns: int = 0
     finish_reason: str | None = None  # the engine's reason for the last turn, or "context" / "env_error"
@@ -159,8 +165,7 @@ class EpisodeRunner:
 
     def _continue(self, episode: Episode, params: SamplingParams) -> None:
         rid = f"ep{episode.key}/{episode.sample}/t{episode.turns}"
-        # Each sample's later turns get their own seeds, derived from the task's.
-        seed = None if params.seed is None else (params.seed * 1009 + episode.sample) * 7919 + episode.turns
+        seed = None if params.seed is None else turn_seed(params.seed, episode.sample, episode.turns)
         try:
             self.engine.add_request(episode.prompt_ids + episode.token_ids, replace(params, seed=seed), request_id=rid)
         except ValueError as err:  # the conversation outgrew the context: the episode ends here
@@ -170,6 +175,7 @@ class EpisodeRunner:
         self._live[rid] = (episode, params)
 
     def _record_turn(self, episode: Episode, result) -> None:
+        episode.turn_starts.append(len(episode.token_ids))
         episode.token_ids += result.token_ids
         episode.logprobs += result.logprobs
         episode.versions += result.versions

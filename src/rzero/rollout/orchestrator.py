@@ -47,12 +47,18 @@ def rollout_of(episode: Episode, transform: SamplingTransform) -> Rollout:
         reward=episode.reward,
         transform=transform,
         mask=None if all(episode.mask) else episode.mask,
+        turn_starts=None if episode.turn_starts in ([], [0]) else episode.turn_starts,
     )
 
 
+def group_seed(run_seed: int, g: int) -> int:
+    """The request seed of group g's first turn: it depends only on (run seed, g)."""
+    return run_seed * 7919 + g
+
+
 def group_params(sampling: SamplingParams, group_size: int, seed: int, g: int) -> SamplingParams:
-    """The sampling parameters of group g: its seed depends only on (run seed, g)."""
-    return replace(sampling, n=group_size, seed=seed * 7919 + g)
+    """The sampling parameters of group g."""
+    return replace(sampling, n=group_size, seed=group_seed(seed, g))
 
 
 class Orchestrator:

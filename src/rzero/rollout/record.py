@@ -18,6 +18,9 @@ class Rollout:
     # 1 where the model sampled the token, 0 where the environment wrote it (a tool response):
     # environment tokens are context for the trainer, never actions. None: all sampled.
     mask: list[int] | None = None
+    # Index in completion_ids where each model turn starts (each turn is its own engine request,
+    # with its own seed: rzero.rollout.replay). None: one turn, starting at 0.
+    turn_starts: list[int] | None = None
 
     def policy_positions(self) -> list[int]:
         """Indices (into completion_ids) of the tokens the model sampled."""

@@ -4,6 +4,7 @@ Run directory layout:
   config.toml          the resolved config (numerics mode included)
   overrides.jsonl      `--set` overrides given on resume, with the step they apply from
   metrics.jsonl        one JSON object per trainer step (metric names: docs/design.md)
+  rollouts.jsonl       what each step trained on (rzero.run.record): replay and exact resume
   tb/                  TensorBoard events
   base_model/          the starting model (after the warm start, when one was built)
   checkpoints/         see rzero.run.checkpoint
@@ -35,6 +36,7 @@ from rzero.run.backends import EngineFactory, check_backend, make_backend
 from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
 from rzero.run.cluster import cpus_needed, needs_ray, open_cluster
 from rzero.run.metrics_log import MetricsLog
+from rzero.run.record import RECORD_FILE, ReplayDiverged, ReplaySource, ReplayThenLive, RolloutRecord, compare_runs
 from rzero.run.ranks import TrainerRanks
 from rzero.run.warm_start import warm_start
 from rzero.train.trainer import Trainer, TrainerSettings
@@ -74,6 +76,23 @@ def prepare_base_model(config: RunConfig, run_dir: Path, log=print) -> Path:
     return base
 
 
+def _steps_to_replay(config: RunConfig, record: RolloutRecord, start_step: int, resume: bool,
+                     overrides: list[str] | None, replay_of: Path | None) -> dict[int, dict]:
+    """The recorded steps to replay from start_step on, in an unbroken run: all of `replay_of`'s
+    record; on resume, the run's own steps after the checkpoint (none when the resume changes
+    settings, which the recorded steps did not have)."""
+    if replay_of is not None:
+        entries = RolloutRecord(replay_of).read()
+    elif resume and config.rollout.recompute_on_update and all(o.startswith("train.steps=") for o in overrides or []):
+        entries = record.read()
+    else:
+        return {}
+    replayed = {}
+    while start_step + len(replayed) in entries:
+        replayed[start_step + len(replayed)] = entries[start_step + len(replayed)]
+    return replayed
+
+
 def train(
     config: RunConfig,
     run_dir: Path,
@@ -83,9 +102,14 @@ def train(
     progress: bool = True,
     env=None,
     log=print,
+    replay_of: Path | None = None,
 ) -> Path:
     """Run (or resume) RL training into run_dir. `env` overrides the configured environment;
-    `overrides` (the --set strings of a resume) are recorded in run_dir/overrides.jsonl."""
+    `overrides` (the --set strings of a resume) are recorded in run_dir/overrides.jsonl.
+
+    A resume first replays the recorded steps after its checkpoint (exactly, with invariant
+    numerics), then goes on with live rollout workers. `replay_of`: re-execute that run's recorded
+    steps into the new run_dir and stop where its record ends (ReplayDiverged where it cannot)."""
     if config.run.wandb:
         try:
             import wandb  # noqa: F401  (optional; checked before anything starts)
@@ -128,6 +152,10 @@ def train(
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
     start_step = trainer.version
+    record = RolloutRecord(run_dir)
+    replay_entries = _steps_to_replay(config, record, start_step, resume, overrides, replay_of)
+    if config.run.record_rollouts:
+        record.keep_below(start_step + len(replay_entries) if replay_of is None else start_step)
 
     r = config.rollout
     # Snapshot now: workers build engines (in their threads or actors) while the trainer is stepping.
@@ -142,10 +170,19 @@ def train(
         version=trainer.version,
     )
     resources = contextlib.ExitStack()  # the Ray cluster and the rollout actors' reservation
+
+    def live_backend(state):
+        return make_backend(config, make_engine, env, state, resources)
+
     try:
         if needs_ray(config):  # opened once, sized for every actor; the backend and the ranks join it
             resources.enter_context(open_cluster(config.cluster, cpus_needed(config), "a distributed run"))
-        backend = make_backend(config, make_engine, env, orchestrator_state, resources)
+        if replay_entries:
+            replay = ReplaySource(replay_entries, engine_template, make_engine.dtype, run_seed=config.run.seed,
+                                  max_lag=r.max_lag, state=orchestrator_state, earlier_weights=trainer.ring)
+            backend = ReplayThenLive(replay, None if replay_of else live_backend, record, log=log)
+        else:
+            backend = live_backend(orchestrator_state)
     except BaseException:
         resources.close()
         raise
@@ -156,7 +193,8 @@ def train(
     try:
         backend.start(trainer.engine_state_dict(), trainer.version)
         ranks.start(trainer)  # data-parallel ranks 1..K-1 from the trainer's weights and state
-        for step in range(start_step, t.steps):
+        # A replay stops where its record ends.
+        for step in range(start_step, t.steps if replay_of is None else start_step + len(replay_entries)):
             t0 = time.perf_counter()
             groups = backend.get_groups(step, r.prompts_per_step)
             t_wait = time.perf_counter() - t0
@@ -174,6 +212,8 @@ def train(
             m["time/step"] = now - t0
             m["tokens/s"] = m["train/completion_tokens"] / max(m["time/step"], 1e-9)
             m.update(backend.stats())
+            if config.run.record_rollouts:
+                record.append(step, backend.last_groups, groups, backend.stats())
             consecutive_skips = consecutive_skips + 1 if math.isnan(m["loss"]) else 0
             m["train/consecutive_skips"] = float(consecutive_skips)
             metrics_log.write(m)
@@ -234,6 +274,8 @@ class _ProgressBar:
 
 
 def main(args) -> int:
+    if args.replay:
+        return replay_main(args)
     overrides = list(args.set or [])
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -260,3 +302,44 @@ def main(args) -> int:
     report = write_report(run_dir)
     print(f"run directory: {run_dir}\nreport: {report}")
     return 0
+
+
+def replay_main(args) -> int:
+    """`rzero train --replay RUN_DIR --out NEW`: re-execute a recorded run, then compare."""
+    if args.config or args.set or args.steps is not None or args.resume:
+        raise ValueError("--replay re-executes the run as recorded: it takes only --out (no config, --set, --steps or --resume)")
+    if not args.out:
+        raise ValueError("--replay needs --out NEW_RUN_DIR (the original run is never written to)")
+    try:
+        same, report = replay_run(Path(args.replay), Path(args.out))
+    except ReplayDiverged as err:
+        print(f"{err}\nthe steps before it are in {args.out}")
+        return 1
+    print(report)
+    return 0 if same else 1
+
+
+def replay_run(original: Path, new: Path, *, progress: bool = True, log=print) -> tuple[bool, str]:
+    """Re-execute `original`'s recorded steps into `new`; (whether it is the same run, a report).
+    Raises ReplayDiverged at the first step whose tokens cannot be drawn again."""
+    if not (original / "config.toml").is_file():
+        raise FileNotFoundError(f"{original}: not a run directory (no config.toml)")
+    if not RolloutRecord(original).read():
+        raise ValueError(f"{original}: no rollout record ({RECORD_FILE}) to replay (run.record_rollouts was off?)")
+    changed = [s for line in _read_lines(original / "overrides.jsonl") for s in json.loads(line)["set"]]
+    if any(not s.startswith("train.steps=") for s in changed):
+        raise ValueError(f"{original} changed settings on resume ({changed}): a replay cannot re-execute that run")
+    config = load_config(original / "config.toml", changed)
+    if not config.rollout.recompute_on_update:
+        raise ValueError("a replay needs rollout.recompute_on_update = true (with it off, tokens were sampled "
+                         "from K/V of older weights, which the record does not hold)")
+    if new.exists() and (not new.is_dir() or any(new.iterdir())):
+        raise ValueError(f"{new}: exists and is not an empty directory; choose another --out")
+    if (original / "base_model").is_dir():
+        shutil.copytree(original / "base_model", new / "base_model")
+    train(config, new, replay_of=original, progress=progress, log=log)
+    return compare_runs(original, new)
+
+
+def _read_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []

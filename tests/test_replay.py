@@ -1,0 +1,130 @@
+"""Exact replay of asynchronous runs (`rzero train --replay`) and exact resume of recorded steps."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rzero.run.loop import replay_run, train
+from rzero.run.record import ReplayDiverged, RolloutRecord, compare_runs
+from test_train import DigitSevenEnv, metrics, small_config
+
+QUIET = dict(progress=False, log=lambda *a: None)
+
+
+def async_run(tmp_path, name, *overrides):
+    """A lag-4 run of a random model: completions run to max_tokens, so the trainer publishes
+    new weights while samples are in flight and their tokens carry several versions."""
+    config = small_config(tmp_path, "rollout.max_lag=4", "rollout.max_tokens=16", "train.steps=8",
+                          "run.checkpoint_every=4", *overrides)
+    return train(config, tmp_path / name, env=DigitSevenEnv(), **QUIET)
+
+
+def in_flight_switches(run_dir) -> int:
+    entries = RolloutRecord(run_dir).read().values()
+    return sum(len(set(r["versions"])) > 1 for e in entries for g in e["rollouts"] for r in g)
+
+
+@pytest.fixture(scope="module")
+def invariant_run(tmp_path_factory):
+    return async_run(tmp_path_factory.mktemp("replay"), "original")
+
+
+def test_replay_of_an_async_run_is_the_same_run(tmp_path, invariant_run):
+    assert in_flight_switches(invariant_run) > 0  # the record holds in-flight weight updates
+    assert max(m["lag/max"] for m in metrics(invariant_run)) >= 2
+    same, report = replay_run(invariant_run, tmp_path / "replayed", **QUIET)
+    assert same, report
+    assert "final weights (step_8): identical" in report
+    # Every metric but the timings, bit for bit (compare_runs checks it; this says it plainly).
+    timing = ("time/", "tokens/s")
+    strip = lambda rows: [{k: v for k, v in m.items() if not k.startswith(timing)} for m in rows]  # noqa: E731
+    assert strip(metrics(tmp_path / "replayed")) == strip(metrics(invariant_run))
+    # The replayed run has its own complete record, so it can be replayed or resumed in turn.
+    assert RolloutRecord(tmp_path / "replayed").read() == RolloutRecord(invariant_run).read()
+
+
+def test_a_changed_record_is_caught_at_its_step(tmp_path, invariant_run):
+    doctored = tmp_path / "doctored"
+    shutil.copytree(invariant_run, doctored)
+    lines = (doctored / "rollouts.jsonl").read_text().splitlines()
+    entry = json.loads(lines[5])
+    entry["rollouts"][0][0]["logprobs"][0] += 1e-6  # one behaviour logprob, off by a few ulps
+    lines[5] = json.dumps(entry)
+    (doctored / "rollouts.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReplayDiverged, match="at step 5: group .* sample 0 token 0") as err:
+        replay_run(doctored, tmp_path / "replayed", **QUIET)
+    assert err.value.step == 5
+    assert [m["step"] for m in metrics(tmp_path / "replayed")] == [0, 1, 2, 3, 4]
+
+
+def test_replay_under_standard_numerics_reports_where_it_diverged(tmp_path):
+    original = async_run(tmp_path, "standard", "model.numerics=standard")
+    with pytest.raises(ReplayDiverged) as err:
+        replay_run(original, tmp_path / "replayed", **QUIET)
+    assert 0 <= err.value.step < 8 and "drawn again" in str(err.value)
+
+
+def test_resume_replays_the_recorded_steps_after_the_checkpoint(tmp_path, invariant_run):
+    # A crash after step 7 that left only the step-4 checkpoint: the resume replays 4..7 from the
+    # record (exactly) instead of training them anew, then live workers go on to step 10.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(invariant_run, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_8")
+    (crashed / "checkpoints" / "latest").write_text("step_4\n")
+    logs = []
+    config = small_config(tmp_path, "rollout.max_lag=4", "rollout.max_tokens=16", "train.steps=10",
+                          "run.checkpoint_every=4")
+    train(config, crashed, resume=True, overrides=["train.steps=10"], env=DigitSevenEnv(), progress=False,
+          log=logs.append)
+    assert any("replayed the recorded steps up to 7 exactly" in line for line in logs), logs
+    rows = metrics(crashed)
+    assert [m["step"] for m in rows] == list(range(10))
+    strip = lambda rows: [{k: v for k, v in m.items() if not k.startswith(("time/", "tokens/s"))} for m in rows]  # noqa: E731
+    assert strip(rows[:8]) == strip(metrics(invariant_run))
+    record = RolloutRecord(crashed).read()
+    assert sorted(record) == list(range(10))
+    trained = [g for s in range(10) for g in record[s]["groups"]]
+    assert len(trained) == len(set(trained))  # every group trained once, across the switch to live workers
+
+
+def test_record_keeps_everything_but_a_torn_last_line(tmp_path, invariant_run):
+    run = tmp_path / "run"
+    shutil.copytree(invariant_run, run)
+    text = (run / "rollouts.jsonl").read_text()
+    (run / "rollouts.jsonl").write_text(text + '{"step": 8, "groups": [1')  # died while writing
+    assert sorted(RolloutRecord(run).read()) == list(range(8))
+    (run / "rollouts.jsonl").write_text('{"step": 0, "gro\n' + text)
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        RolloutRecord(run).read()
+
+
+def test_replay_refuses_what_it_cannot_reexecute(tmp_path, invariant_run):
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        replay_run(tmp_path / "nothing", tmp_path / "out", **QUIET)
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(invariant_run, unrecorded)
+    (unrecorded / "rollouts.jsonl").unlink()
+    with pytest.raises(ValueError, match="no rollout record"):
+        replay_run(unrecorded, tmp_path / "out", **QUIET)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    with pytest.raises(ValueError, match="not an empty directory"):
+        replay_run(invariant_run, tmp_path / "taken", **QUIET)
+    changed = tmp_path / "changed"
+    shutil.copytree(invariant_run, changed)
+    (changed / "overrides.jsonl").write_text(json.dumps({"step": 4, "set": ["train.lr=0.1"]}) + "\n")
+    with pytest.raises(ValueError, match="changed settings on resume"):
+        replay_run(changed, tmp_path / "out2", **QUIET)
+
+
+def test_compare_runs_names_the_first_differing_metric(tmp_path, invariant_run):
+    other = tmp_path / "other"
+    shutil.copytree(invariant_run, other)
+    rows = metrics(other)
+    rows[3]["loss"] += 1.0
+    (other / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    same, report = compare_runs(invariant_run, other)
+    assert not same and report.startswith("step 3: metric loss differs")
+    assert compare_runs(invariant_run, Path(invariant_run))[0]
