@@ -128,3 +128,20 @@ def test_compare_runs_names_the_first_differing_metric(tmp_path, invariant_run):
     same, report = compare_runs(invariant_run, other)
     assert not same and report.startswith("step 3: metric loss differs")
     assert compare_runs(invariant_run, Path(invariant_run))[0]
+
+
+def test_replay_of_a_multi_turn_async_run_with_tool_responses(tmp_path):
+    # Each later turn is its own engine request with its own seed; the tool's tokens are context.
+    from test_episodes import RESPONSE, ScriptedEnv
+
+    class TurnsEnv(ScriptedEnv):
+        def reward(self, task, completion):  # mixed rewards, so the weights really change
+            return 1.0 if "7" in completion.split(RESPONSE)[-1] else 0.0
+
+    config = small_config(tmp_path, "rollout.max_lag=3", "rollout.max_tokens=6", "train.steps=5",
+                          "run.checkpoint_every=5")
+    original = train(config, tmp_path / "original", env=TurnsEnv(max_turns=3), **QUIET)
+    samples = [r for e in RolloutRecord(original).read().values() for g in e["rollouts"] for r in g]
+    assert all(r["turn_starts"] and len(r["turn_starts"]) == 3 and 0 in r["mask"] for r in samples)
+    same, report = replay_run(original, tmp_path / "replayed", **QUIET)
+    assert same, report
