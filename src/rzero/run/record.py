@@ -62,11 +62,22 @@ class RolloutRecord:
 
     def keep_below(self, step: int) -> None:
         """Drop the entries of steps >= `step` (they will be trained anew), atomically."""
-        kept = [e for s, e in sorted(self.read().items()) if s < step]
+        entries = self.read()
+        self.next_step = step
+        if all(s < step for s in entries) and self._intact():
+            return  # nothing to drop: no rewrite of a long record
+        kept = [e for s, e in sorted(entries.items()) if s < step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(e) + "\n" for e in kept))
         os.replace(tmp, self.path)
-        self.next_step = step
+
+    def _intact(self) -> bool:
+        """Whether the file ends with a complete line (a torn one must be cut before appending)."""
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            return True
+        with open(self.path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
 
     def append(self, step: int, groups: list[int], rollouts: list[list[Rollout]], stats: dict) -> None:
         """Record a step trained from live workers (or replayed into a new run directory); steps
