@@ -1,6 +1,6 @@
 """R3: a mixture-of-experts model learns with async RL (docs/reproduction.md).
 
-    python benchmarks/repro/r3_moe.py [--runs-dir runs/r3] [--parallel 1]
+    python benchmarks/repro/r3_moe.py [--runs-dir runs/r3] [--parallel 2] [--tasks default r2task]
 
 On two tasks, each from a model warm-started on it:
   default   the embedded default job (one-digit sums, lag 2, 400 steps)
@@ -43,12 +43,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/r3"))
     parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     args = parser.parse_args()
     runs_dir = args.runs_dir
     runs_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     runs, suites = {}, {}
-    for task, (overrides, suite, steps) in TASKS.items():
+    for task in args.tasks:
+        overrides, suite, steps = TASKS[task]
         for preset in ("tiny-moe", "tiny-dense"):
             base = prepare_base_model(load_config(None, [f"model.preset={preset}", *overrides]), runs_dir / f"base-{task}-{preset}")
             evaluate(base, suite, runs_dir / f"eval-base-{task}-{preset}")
