@@ -145,3 +145,12 @@ def test_replay_of_a_multi_turn_async_run_with_tool_responses(tmp_path):
     assert all(r["turn_starts"] and len(r["turn_starts"]) == 3 and 0 in r["mask"] for r in samples)
     same, report = replay_run(original, tmp_path / "replayed", **QUIET)
     assert same, report
+
+
+def test_cli_replay_says_identical_and_refuses_extra_arguments(tmp_path, invariant_run, capsys):
+    from rzero.cli import main
+
+    assert main(["train", "--replay", str(invariant_run), "--out", str(tmp_path / "again")]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["train", "--replay", str(invariant_run), "--out", str(tmp_path / "x"), "--set", "train.lr=1"]) != 0
+    assert "takes only --out" in capsys.readouterr().err
