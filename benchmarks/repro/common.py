@@ -96,8 +96,9 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarize_run(run_dir: Path, window: int = WINDOW) -> dict:
-    rows = metrics(run_dir)
+def summarize_run(run_dir: Path, window: int = WINDOW, limit: int | None = None) -> dict:
+    """The run's figures over its first `limit` steps (all when None)."""
+    rows = metrics(run_dir)[:limit]
     rewards = [m["reward/mean"] for m in rows]
     ma = moving_average(rewards, window)
     taken = [m for m in rows if not math.isnan(m["loss"])]

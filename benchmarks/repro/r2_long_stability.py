@@ -1,7 +1,7 @@
 """R2: plain unclipped IS stays stable for a long asynchronous run (docs/reproduction.md).
 
     python benchmarks/repro/r2_long_stability.py run --steps 20000 --control-steps 3000 [--runs-dir runs/r2]
-    python benchmarks/repro/r2_long_stability.py summarize [--runs-dir runs/r2]
+    python benchmarks/repro/r2_long_stability.py summarize [--runs-dir runs/r2] [--max-steps N]
 
 `run` trains, from one shared warm-started model, the claim and its controls at weight lag 8:
 
@@ -65,9 +65,11 @@ def summarize(args) -> None:
     summary, curves = {}, {}
     for name in RUNS:
         if (runs_dir / name / "metrics.jsonl").is_file():
-            summary[name] = {**summarize_run(runs_dir / name), "pass_at_1_start": pass_at_1(runs_dir / "eval-base"),
-                             "pass_at_1_end": pass_at_1(runs_dir / f"eval-{name}")}
-            curves[name] = moving_average([m["reward/mean"] for m in metrics(runs_dir / name)])[::50]
+            summary[name] = {**summarize_run(runs_dir / name, limit=args.max_steps),
+                             "pass_at_1_start": pass_at_1(runs_dir / "eval-base"),
+                             "pass_at_1_end": pass_at_1(runs_dir / f"eval-{name}"),
+                             "pass_at_1_end_model": (runs_dir / name / "checkpoints" / "latest").read_text().strip()}
+            curves[name] = moving_average([m["reward/mean"] for m in metrics(runs_dir / name)[:args.max_steps]])[::50]
             print(name, json.dumps(summary[name]), flush=True)
     (REPO / "docs/reproduction_r2.json").write_text(json.dumps(
         {"task": TASK, "warm_start_steps": WARM_START_STEPS, "window": WINDOW, "runs": summary,
@@ -84,6 +86,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--control-steps", type=int, default=3000)
     parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, help="summarize: only the first N steps of each run")
     parser.add_argument("--only", nargs="+", default=list(RUNS), choices=list(RUNS))
     args = parser.parse_args()
     run_all(args) if args.action == "run" else summarize(args)

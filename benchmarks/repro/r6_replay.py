@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from rzero.run.record import RECORD_FILE, ReplayDiverged, RolloutRecord
 def replay_row(original: Path, out: Path, label: str) -> dict:
     entries = RolloutRecord(original).read()
     samples = [r for e in entries.values() for g in e["rollouts"] for r in g]
+    shutil.rmtree(out, ignore_errors=True)  # this script's own earlier replay
     t0 = time.perf_counter()
     try:
         same, report = replay_run(original, out, progress=False, log=lambda *a: None)
@@ -54,9 +56,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/r6"))
     parser.add_argument("--also", type=Path, nargs="*", default=[])
+    parser.add_argument("--skip-own", action="store_true", help="replay only the --also runs")
     args = parser.parse_args()
     rows = []
-    for numerics in ("invariant", "standard"):
+    for numerics in () if args.skip_own else ("invariant", "standard"):
         original = args.runs_dir / numerics
         if not (original / "metrics.jsonl").is_file():
             config = load_config(None, [f"model.numerics={numerics}", "rollout.max_lag=4", "rollout.max_tokens=24",
