@@ -74,7 +74,11 @@ def main() -> None:
         wall = run / "wall_s"
         rows.append({**replay_row(run, args.runs_dir / f"{run.name}-replay", str(run)),
                      "original_s": int(wall.read_text()) if wall.is_file() else None})
-    (REPO / "docs/reproduction_r6.json").write_text(json.dumps(rows, indent=1) + "\n")
+    out = REPO / "docs/reproduction_r6.json"
+    if args.skip_own and out.is_file():  # keep the rows of the script's own runs from before
+        labels = {r["run"] for r in rows}
+        rows = [r for r in json.loads(out.read_text()) if r["run"] not in labels] + rows
+    out.write_text(json.dumps(rows, indent=1) + "\n")
     print("wrote docs/reproduction_r6.json")
 
 
