@@ -54,6 +54,7 @@ def _logprob_rows(model: Qwen3ForCausalLM, rollouts: list[Rollout], positions: l
     return out
 
 
+@torch.no_grad()
 def redraw_mismatch(
     model: Qwen3ForCausalLM,
     weights: Mapping[int, Mapping[str, torch.Tensor]],
