@@ -125,7 +125,10 @@ def main(args) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json)")
-    engine = Engine(model_dir, numerics=args.numerics, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    engine = Engine(
+        model_dir, numerics=args.numerics, dtype=args.dtype, device=getattr(args, "device", "cpu"),
+        max_num_seqs=args.max_num_seqs, seed=args.seed,
+    )
     results = evaluate(engine, plans, args.seed)
     average = average_metrics([r.metrics for r in results])
     config = {
