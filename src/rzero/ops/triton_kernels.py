@@ -200,6 +200,20 @@ def _attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def _sequence_args(meta: AttentionMeta, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per-sequence int32 arrays for the kernel, built once per forward pass: every layer shares
+    the meta, so the host-to-device copies happen once, not once per layer."""
+    cache = meta.__dict__.setdefault("_triton_args", {})
+    if device not in cache:
+        starts = [0]
+        for n in meta.q_lens[:-1]:
+            starts.append(starts[-1] + n)
+        as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        tables = meta.block_tables.to(device=device, dtype=torch.int32).contiguous()
+        cache[device] = (as_int(starts), as_int(meta.q_lens), as_int(meta.ctx_lens), tables)
+    return cache[device]
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float,
               q_tile: int = ATTN_Q_TILE) -> torch.Tensor:
     """Causal attention of the flat queries q (rows, H, D) over the paged caches (blocks,
@@ -211,15 +225,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     out = torch.zeros_like(q)
-    starts = [0]
-    for n in meta.q_lens[:-1]:
-        starts.append(starts[-1] + n)
-    dev = q.device
-    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=dev)  # noqa: E731
-    tables = meta.block_tables.to(device=dev, dtype=torch.int32).contiguous()
+    starts, q_lens, ctx_lens, tables = _sequence_args(meta, q.device)
     tiles = triton.cdiv(max(meta.q_lens), q_tile)
     _attention_kernel[(len(meta.q_lens) * tiles, num_heads)](
-        q, k_cache, v_cache, out, as_int(starts), as_int(meta.q_lens), as_int(meta.ctx_lens), tables,
+        q, k_cache, v_cache, out, starts, q_lens, ctx_lens, tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), tables.stride(0),
         scale, tiles, num_heads // k_cache.shape[2],
