@@ -150,7 +150,10 @@ def engine_vs_hf(model_dir: str, out: str, batch: int = 64, new_tokens: int = 12
         result["hf_error"] = f"transformers not importable: {err}"
         write(out, result)
         return
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    # torch_dtype: understood by every transformers version (newer ones also take dtype=).
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to(DEVICE).eval()
+    assert next(hf.parameters()).dtype == torch.bfloat16, "transformers did not load the model in bf16"
+    result["transformers"] = importlib.import_module("transformers").__version__
     width = max(len(p) for p in prompts)
     ids = torch.zeros((batch, width), dtype=torch.long)
     mask = torch.zeros((batch, width), dtype=torch.long)

@@ -49,8 +49,9 @@ def _matmul_kernel(
     # C = A @ W.T with A (M, K), W (N, K); fp32 accumulation, IEEE fp32 products (no TF32).
     # One program per output tile, its K loop left to right. K is a compile-time constant (one
     # per weight shape): the interpreter cannot range over a runtime value with numpy >= 2.4.
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 offsets: rows x vocabulary (LM head) passes 2^31 elements at about 14k rows.
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -86,7 +87,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_out, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -109,7 +110,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _softmax_kernel(x_ptr, out_ptr, N: tl.constexpr, stride_x, stride_out, LOG: tl.constexpr, CHUNK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x vocabulary can pass 2^31
     x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_out
     offs = tl.arange(0, CHUNK)
     # Max: exact, so only its result matters; lane-wise over the chunks, then across lanes.
@@ -169,7 +170,7 @@ def _attention_kernel(
     row_ok = rows < q_len
     pos = ctx + rows  # absolute position of each query
     dims = tl.arange(0, HEAD_DIM)
-    token = tl.load(q_start_ptr + seq) + rows
+    token = (tl.load(q_start_ptr + seq) + rows).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
     # Keys up to the tile's last real query; a tile past the sequence's queries visits none.
     last = tl.minimum(q_len, (tile + 1) * Q_TILE)
