@@ -37,7 +37,14 @@ def test_resolve_device(no_cuda):
 
 def test_auto_picks_cuda_when_torch_sees_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_device("auto") == torch.device("cuda")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)  # restored after
+    precision = torch.get_float32_matmul_precision()
+    try:
+        assert resolve_device("auto") == torch.device("cuda")
+        # CUDA fp32 matmuls in IEEE fp32: no TF32 anywhere.
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def test_config_device(no_cuda):
