@@ -231,7 +231,9 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"{input_ids.shape[0]} input ids for an AttentionMeta of {meta.num_tokens} tokens")
         # Callers build ids and meta on the CPU from Python lists; the model runs where its weights are.
         device = self.device
-        input_ids, meta = input_ids.to(device), meta.to(device)
+        if input_ids.device != device:  # under inference_mode even a no-op .to() is an aten op (C0 counts them)
+            input_ids = input_ids.to(device)
+        meta = meta.to(device)
         positions = meta.positions
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(

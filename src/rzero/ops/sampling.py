@@ -93,7 +93,8 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     noise.neg_()
     for i in range(len(sampled)):
         noise[i].log_()
-    noise = noise.to(logprobs.device)
+    if noise.device != logprobs.device:  # a no-op .to() is still an aten op under inference_mode
+        noise = noise.to(logprobs.device)
     if len(sampled) == len(greedy):
         return torch.argmax(logprobs - noise, dim=-1)
     tokens[sampled] = torch.argmax(logprobs[sampled] - noise, dim=-1)
