@@ -7,7 +7,9 @@ import sys
 
 from rzero.model.io import DTYPE_NAMES
 from rzero.model.presets import PRESETS
-from rzero.ops import NUMERICS_MODES
+from rzero.ops import DEVICE_NAMES, NUMERICS_MODES
+
+DEVICE_HELP = "where the model, engine and trainer run; auto: cuda when available (cuda without one is an error)"
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--numerics", default="invariant", choices=NUMERICS_MODES)
     p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
+    p.add_argument("--device", default="cpu", choices=DEVICE_NAMES, help=DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_check)
@@ -95,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="at most this many problems per benchmark (a quick look)")
     p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
     p.add_argument("--numerics", default="invariant", choices=NUMERICS_MODES)
+    p.add_argument("--device", default="cpu", choices=DEVICE_NAMES, help=DEVICE_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed from which every problem's sampling seed is derived")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
     p.set_defaults(func=_eval)
@@ -105,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
     p.add_argument("--numerics", default="invariant", choices=NUMERICS_MODES)
+    p.add_argument("--device", default="cpu", choices=DEVICE_NAMES, help=DEVICE_HELP)
     p.add_argument("--served-model-name", help="model name clients ask for (default: the directory's name)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")

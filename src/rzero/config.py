@@ -20,7 +20,7 @@ from rzero.envs.math import DEFAULT_PROMPT_TEMPLATE
 from rzero.files import read_toml
 from rzero.model.io import DTYPE_NAMES
 from rzero.model.presets import PRESETS
-from rzero.ops import NUMERICS_MODES
+from rzero.ops import DEVICE_NAMES, NUMERICS_MODES
 from rzero.train.losses import LOSSES
 
 # The choices are the constants the code itself validates against (and the CLI offers).
@@ -28,6 +28,7 @@ LossName = Literal[LOSSES]
 DtypeName = Literal[DTYPE_NAMES]
 PresetName = Literal[tuple(PRESETS)]
 NumericsMode = Literal[NUMERICS_MODES]
+DeviceName = Literal[DEVICE_NAMES]
 EnvName = Literal[ENV_NAMES]
 
 
@@ -40,6 +41,9 @@ class ModelSection(Section):
     preset: PresetName = "tiny-dense"
     dtype: DtypeName = "bf16"
     numerics: NumericsMode = "invariant"
+    # Where the trainer, the rollout engines (KV cache included) and the sampler run. "auto":
+    # CUDA when torch sees a GPU. Asking for "cuda" without one is an error, never a CPU run.
+    device: DeviceName = "cpu"
 
 
 class WarmStartSection(Section):
@@ -202,6 +206,12 @@ class RunConfig(Section):
     def _distributed_needs_ray(self) -> RunConfig:
         if self.rollout.backend == "local" and (self.rollout.gpus_per_worker or self.rollout.cpus_per_worker != 1.0):
             raise ValueError("rollout.cpus_per_worker / gpus_per_worker are Ray resources: set rollout.backend = 'ray'")
+        if self.model.device != "cpu" and (self.rollout.backend == "ray" or self.train.world_size > 1):
+            # Not built yet: the Ray actors and trainer ranks place their models on the CPU.
+            raise ValueError(
+                f"model.device = {self.model.device!r} runs in one process only: "
+                "use rollout.backend = 'local' and train.world_size = 1, or model.device = 'cpu'"
+            )
         return self
 
 

@@ -31,6 +31,7 @@ from rzero.check.engine_checks import (
     c6_chunk_and_prefix_invariance,
 )
 from rzero.check.harness import CheckResult, Harness, fmt
+from rzero.ops import resolve_device
 from rzero.check.trainer_checks import (
     c0_numerics_audit,
     c1_weight_parity,
@@ -79,6 +80,7 @@ def run_checks(
     seed: int = 0,
     only: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> list[CheckResult]:
     """Run the checklist (all of C0-C10, or the ids in `only`) and return one result per check.
 
@@ -91,7 +93,7 @@ def run_checks(
     if unknown:
         raise ValueError(f"unknown check ids: {', '.join(sorted(unknown))}")
     results = []
-    harness = Harness(model_dir, numerics, dtype, seed)
+    harness = Harness(model_dir, numerics, dtype, seed, device=device)
     for cid in ids:
         if progress:
             progress(cid)
@@ -149,7 +151,8 @@ def main(args: argparse.Namespace) -> int:
     progress = None
     if not args.json and sys.stderr.isatty():
         progress = lambda cid: print(f"  running {cid} ...", file=sys.stderr, flush=True)  # noqa: E731
-    results = run_checks(args.model, args.numerics, args.dtype, seed=args.seed, progress=progress)
+    device = str(resolve_device(args.device))  # a clear error before any check runs
+    results = run_checks(args.model, args.numerics, args.dtype, seed=args.seed, progress=progress, device=device)
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps(report(results, args.model, args.numerics, args.dtype, seconds)))

@@ -62,8 +62,9 @@ def max_abs_diff(a, b) -> float:
     Equal infinities count as equal; a length mismatch or a NaN on either side counts as inf
     (callers map a missing value to NaN, so it can never compare equal).
     """
-    a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
-    b = torch.as_tensor(b, dtype=torch.float64).reshape(-1)
+    # On the CPU: one side may be device tensors (the trainer's), the other Python floats (the engine's).
+    a = torch.as_tensor(a, dtype=torch.float64).cpu().reshape(-1)
+    b = torch.as_tensor(b, dtype=torch.float64).cpu().reshape(-1)
     if a.shape != b.shape:
         return math.inf
     if a.numel() == 0:
@@ -78,6 +79,7 @@ def max_abs_diff(a, b) -> float:
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    a, b = a.cpu(), b.cpu()
     if a.is_floating_point():
         as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
@@ -123,9 +125,10 @@ class Harness:
     numerics at construction.
     """
 
-    def __init__(self, model_dir: str | Path, numerics: str, dtype: str, seed: int = 0):
+    def __init__(self, model_dir: str | Path, numerics: str, dtype: str, seed: int = 0, device: str = "cpu"):
         self.model_dir = Path(model_dir)
         read_config(self.model_dir)  # a clear error for a directory that is not a model
+        self.device = ops.resolve_device(device)
         self.numerics = ops.numerics(numerics)
         self.dtype_name = dtype
         self.dtype = parse_dtype(dtype)
@@ -150,7 +153,7 @@ class Harness:
         """A trainer with the settings of the checklist's one update: AdamW lr 1e-3, weight decay
         0.01, no gradient clipping, one micro-batch."""
         settings = TrainerSettings(lr=1e-3, weight_decay=0.01, grad_clip=math.inf, micro_batch_tokens=1 << 30, decompose=False)
-        return Trainer(master, self.dtype, settings, numerics=self.numerics)
+        return Trainer(master, self.dtype, settings, numerics=self.numerics, device=self.device)
 
     # ------------------------------------------------------------------ inputs
 
@@ -176,6 +179,7 @@ class Harness:
         kw = dict(
             numerics=self.numerics,
             dtype=self.dtype_name,
+            device=self.device,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
             seed=self.seed,
@@ -210,8 +214,8 @@ class Harness:
     ) -> list[torch.Tensor]:
         """`Trainer.token_logprobs` of tokens 1..n-1 of each sequence (no grad), under `transform`,
         with the θ0 compute copy unless another `model` is given."""
-        with torch.no_grad():
-            return self.trainer.token_logprobs(model or self.model, whole_sequences(seqs, transform))
+        with torch.no_grad():  # on the CPU, where the engine's logprobs (Python floats) are compared
+            return [x.cpu() for x in self.trainer.token_logprobs(model or self.model, whole_sequences(seqs, transform))]
 
     def update(self) -> tuple[Trainer, Engine]:
         """One trainer step from θ0 (`Trainer.supervised_step`: AdamW on the fp32 master, the

@@ -28,7 +28,7 @@ from rzero.engine.scheduler import Scheduler
 from rzero.engine.sequence import RequestOutput, SamplingParams, Sequence, Status, StepOutput, cut_at_stop
 from rzero.model.io import load_model, parse_dtype
 from rzero.model.qwen3 import Qwen3ForCausalLM
-from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, numerics as numerics_of
+from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, numerics as numerics_of, resolve_device
 
 Prompt = str | list[int]
 
@@ -36,7 +36,8 @@ Prompt = str | list[int]
 class Engine:
     """`model`: a model directory, or a model object (the engine takes its own copy). `numerics`:
     the ops its forward passes and sampler run ("invariant" or "standard"), held by its own model
-    copy, so engines of different modes can share a process."""
+    copy, so engines of different modes can share a process. `device`: where the model, its paged
+    KV cache and the sampler run ("cpu", "cuda", "auto"; default: the given model's device)."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class Engine:
         *,
         numerics: str | Numerics = "invariant",
         dtype: str | torch.dtype = "fp32",
+        device: str | torch.device | None = None,
         tokenizer=None,
         kv_cache_bytes: int = 256 * 1024**2,
         num_kv_blocks: int | None = None,
@@ -56,6 +58,7 @@ class Engine:
         version: int = 0,
     ):
         self.numerics = numerics_of(numerics)
+        requested = None if device is None else resolve_device(device)  # fails before any loading
         if isinstance(model, (str, Path)):
             from rzero.model.tokenizer import load_tokenizer
 
@@ -66,6 +69,9 @@ class Engine:
             # trainer's fp32 weights into bf16, and sharing parameters would let the trainer's
             # optimizer change the engine's weights mid-generation without a new version.
             model = copy.deepcopy(model).to(parse_dtype(dtype))
+        # None: where the given model is (the CPU for a model directory); never a silent move.
+        self.device = model.device if requested is None else requested
+        model = model.to(self.device)  # a copy already (loaded or deep-copied above)
         model.numerics = self.numerics  # this engine's own copy: other engines keep their mode
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -30,8 +30,8 @@ def sample(numerics: Numerics, seqs: list[Sequence], logits: torch.Tensor) -> li
         lp = numerics.transformed_logprobs(logits, transform)
         chosen = numerics.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.generator for s in seqs])
         return list(zip(seqs, chosen.tolist(), lp.gather(1, chosen[:, None])[:, 0].tolist(), top_logprobs(seqs, lp)))
-    tokens = torch.empty(len(seqs), dtype=torch.long)
-    logprobs = torch.empty(len(seqs))
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(len(seqs), device=logits.device)
     top: list[list[tuple[int, float]] | None] = [None] * len(seqs)
     for transform, rows in groups.items():
         lp = numerics.transformed_logprobs(logits[rows], transform)
@@ -53,7 +53,7 @@ def score_prompt(numerics: Numerics, rows: list[tuple[Sequence, int]], logits: t
     for idx in by_sequence.values():  # one transform per sequence: score its rows together
         seq = rows[idx[0]][0]
         positions = [rows[i][1] for i in idx]
-        targets = torch.tensor([seq.token_ids[p + 1] for p in positions])
+        targets = torch.tensor([seq.token_ids[p + 1] for p in positions], device=logits.device)
         lp = numerics.transformed_logprobs(logits[idx], seq.transform).gather(1, targets[:, None])[:, 0]
         for p, value in zip(positions, lp.tolist()):
             seq.prompt_logprobs[p] = value

@@ -27,6 +27,7 @@ from rzero.engine import Engine, SamplingParams
 from rzero.eval.metrics import Problem, Sample, average_metrics, benchmark_metrics
 from rzero.eval.report import results_table, write_results
 from rzero.eval.suite import BenchmarkPlan, Sampling, load_suite
+from rzero.ops import resolve_device
 from rzero.rollout.episodes import AsyncLoop, Episode, EpisodeRunner
 
 
@@ -125,7 +126,12 @@ def main(args) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json)")
-    engine = Engine(model_dir, numerics=args.numerics, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    device = resolve_device(getattr(args, "device", "cpu"))  # a clear error before the model loads
+    # A model directory loads on the CPU by default: name the device only when it is another one.
+    placement = {} if device.type == "cpu" else {"device": device}
+    engine = Engine(
+        model_dir, numerics=args.numerics, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed, **placement
+    )
     results = evaluate(engine, plans, args.seed)
     average = average_metrics([r.metrics for r in results])
     config = {

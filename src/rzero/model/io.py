@@ -143,7 +143,7 @@ def save_model(
         if "dtype" in raw:  # transformers >= 4.56 writes and reads `dtype`; never leave it stale
             raw["dtype"] = raw["torch_dtype"]
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        tensors = {n: p.detach().to(save_dtype).contiguous() for n, p in model.named_parameters()}
+        tensors = {n: p.detach().to(save_dtype).cpu().contiguous() for n, p in model.named_parameters()}
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors.items():

@@ -219,12 +219,21 @@ class Qwen3ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMeta, kv_caches: list[KVCache] | None = None
     ) -> torch.Tensor:
         """Final hidden states (T, hidden) of the flat token list input_ids (T,)."""
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"{input_ids.shape[0]} input ids for an AttentionMeta of {meta.num_tokens} tokens")
+        # Callers build ids and meta on the CPU from Python lists; the model runs where its weights are.
+        device = self.device
+        if input_ids.device != device:  # under inference_mode even a no-op .to() is an aten op (C0 counts them)
+            input_ids = input_ids.to(device)
+        meta = meta.to(device)
         positions = meta.positions
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(
@@ -257,7 +266,7 @@ class Qwen3ForCausalLM(nn.Module):
     def new_kv_caches(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, ATTN_BLOCK, self.config.num_key_value_heads, self.config.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.config.num_hidden_layers)
         ]
 

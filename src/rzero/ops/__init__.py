@@ -6,11 +6,13 @@ its numerics at construction and hands it to its model copy, so both modes can r
 """
 
 from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
+from rzero.ops.device import DEVICE_NAMES, resolve_device
 from rzero.ops.numerics import INVARIANT, NUMERICS_MODES, STANDARD, Numerics, inside_op, numerics, trace_dispatch
 from rzero.ops.sampling import SamplingTransform
 
 __all__ = [
     "ATTN_BLOCK",
+    "DEVICE_NAMES",
     "INVARIANT",
     "NUMERICS_MODES",
     "STANDARD",
@@ -19,5 +21,6 @@ __all__ = [
     "SamplingTransform",
     "inside_op",
     "numerics",
+    "resolve_device",
     "trace_dispatch",
 ]

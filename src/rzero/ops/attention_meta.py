@@ -7,7 +7,7 @@ with the same structure, so both reach the same attention kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -41,6 +41,18 @@ class AttentionMeta:
     def positions(self) -> torch.Tensor:
         """(padded_tokens,) absolute position of every token in flat order (0 for padding rows)."""
         return self.q_positions.reshape(-1)[self.out_index]
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_tables.device
+
+    def to(self, device: torch.device | str) -> AttentionMeta:
+        """The same meta with its index tensors on `device` (itself if they are already there).
+        Built on the CPU from Python lists; the model moves it to its own device once per pass."""
+        if self.device == torch.device(device):
+            return self
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
     @property
     def is_decode(self) -> bool:

@@ -79,6 +79,16 @@ class Numerics:
         # so that no op inside the model has to copy its input to pad it.
         self.row_tile: int = self._impl.ROW_TILE
 
+    def _on(self, x: torch.Tensor):
+        """The kernels for x's device: under `invariant`, CUDA tensors take the Triton kernels
+        (rzero/ops/cuda_invariant.py), imported on first use so the CPU path never needs triton.
+        `standard` is stock PyTorch on every device (cuBLAS and SDPA on CUDA)."""
+        if x.device.type == "cuda" and self._impl is _invariant:
+            from rzero.ops import cuda_invariant
+
+            return cuda_invariant
+        return self._impl
+
     def __repr__(self) -> str:
         return f"Numerics({self.mode!r})"
 
@@ -92,16 +102,16 @@ class Numerics:
     @_op
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T over the last dim of x (no bias: Qwen3 has none)."""
-        return self._impl.linear(x, weight)
+        return self._on(x).linear(x, weight)
 
     @_op
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._impl.rms_norm(x, weight, eps)
+        return self._on(x).rms_norm(x, weight, eps)
 
     @_op
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up (the SwiGLU activation)."""
-        return self._impl.silu_mul(gate, up)
+        return self._on(gate).silu_mul(gate, up)
 
     @_op
     def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,12 +123,12 @@ class Numerics:
     @_op
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         """log_softmax over the last dim, computed in fp32."""
-        return self._impl.log_softmax(x)
+        return self._on(x).log_softmax(x)
 
     @_op
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         """softmax over the last dim, computed in fp32."""
-        return self._impl.softmax(x)
+        return self._on(x).softmax(x)
 
     @_op
     def attention(
@@ -129,17 +139,17 @@ class Numerics:
         The caches hold (num_blocks, ATTN_BLOCK, Hkv, D) and already contain the keys and values
         of the query tokens themselves (the caller writes them first). GQA when H > Hkv.
         """
-        return self._impl.attention(q, k_cache, v_cache, meta, scale)
+        return self._on(q).attention(q, k_cache, v_cache, meta, scale)
 
     @_op
     def moe_route(self, router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert choice: returns (weights (T, k) fp32, expert ids (T, k))."""
-        return self._impl.moe_route(router_logits, top_k, normalize)
+        return self._on(router_logits).moe_route(router_logits, top_k, normalize)
 
     @_op
     def moe_combine(self, expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum over the k expert outputs (T, k, H) with weights (T, k) -> (T, H)."""
-        return self._impl.moe_combine(expert_outputs, weights)
+        return self._on(expert_outputs).moe_combine(expert_outputs, weights)
 
     # The sampling transform sorts, scans and normalises: it is an op like the others.
     @_op

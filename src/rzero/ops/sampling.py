@@ -53,11 +53,20 @@ def transformed_logprobs(ops: _Normalizers, logits: torch.Tensor, transform: Sam
     if transform.top_p < 1.0:
         probs = ops.softmax(x)
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # cumsum is a sequential scan
+        mass_before = _row_cumsum(sorted_probs) - sorted_probs
         drop_sorted = mass_before >= transform.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return ops.log_softmax(x)
+
+
+def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Cumulative sum along each row. On the CPU cumsum is a sequential scan, the same for any row
+    count; a GPU scan may split a row differently for different batch shapes, so there each row
+    is scanned alone (every scan then has the same shape)."""
+    if x.device.type == "cpu":
+        return x.cumsum(-1)
+    return torch.stack([row.cumsum(-1) for row in x]) if len(x) else x.cumsum(-1)
 
 
 def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -73,6 +82,8 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     sampled = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
     if not sampled:
         return tokens
+    # The noise is drawn and transformed on the CPU whatever the device: the per-request CPU
+    # generators then give a request the same tokens on every device.
     noise = torch.empty(len(sampled), logprobs.shape[-1])
     for i, row in enumerate(sampled):
         torch.rand(logprobs.shape[-1], generator=generators[row], out=noise[i])
@@ -82,6 +93,8 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     noise.neg_()
     for i in range(len(sampled)):
         noise[i].log_()
+    if noise.device != logprobs.device:  # a no-op .to() is still an aten op under inference_mode
+        noise = noise.to(logprobs.device)
     if len(sampled) == len(greedy):
         return torch.argmax(logprobs - noise, dim=-1)
     tokens[sampled] = torch.argmax(logprobs[sampled] - noise, dim=-1)

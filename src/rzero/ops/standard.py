@@ -45,7 +45,7 @@ def attention(
     batch, max_q = meta.q_index.shape
     keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
     values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    key_pos = torch.arange(keys.shape[2])
+    key_pos = torch.arange(keys.shape[2], device=keys.device)
     if meta.is_decode:
         # The usual separate decode kernel: one query per sequence, matmul + softmax.
         query = q[meta.q_index[:, :1]].transpose(1, 2)  # (B, H, 1, D)

@@ -68,7 +68,9 @@ def load_checkpoint(path: Path) -> dict:
     for key in ("trainer", "orchestrator", "rng"):
         file = path / f"{key}.pt"
         try:
-            state[key] = torch.load(file, weights_only=False)
+            # On the CPU whatever device saved it: the trainer moves each tensor to its own device
+            # (optimizer state follows its parameters; ring weights are copied into the model).
+            state[key] = torch.load(file, weights_only=False, map_location="cpu")
         except Exception as err:  # truncated or garbage pickles raise many different types
             raise ValueError(f"{file}: cannot be read ({type(err).__name__}: {err})") from None
     return state

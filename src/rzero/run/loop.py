@@ -143,7 +143,7 @@ def train(
         tokenizer_files = read_tokenizer_files(model_dir)
     tokenizer = load_tokenizer(model_dir)
     t = config.train
-    trainer = Trainer(master, dtype, trainer_settings(config), numerics=config.model.numerics)
+    trainer = Trainer(master, dtype, trainer_settings(config), numerics=config.model.numerics, device=config.model.device)
     orchestrator_state = None
     if checkpoint is not None:
         trainer.load_state_dict(saved["trainer"])

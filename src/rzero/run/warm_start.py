@@ -42,7 +42,9 @@ def warm_start(model: Qwen3ForCausalLM, tokenizer, env, config: RunConfig, log=p
         micro_batch_tokens=config.train.micro_batch_tokens,
         decompose=False,
     )
-    trainer = Trainer(model, parse_dtype(config.model.dtype), settings, numerics=config.model.numerics)
+    trainer = Trainer(
+        model, parse_dtype(config.model.dtype), settings, numerics=config.model.numerics, device=config.model.device
+    )
     loss = float("nan")
     for step in range(ws.steps):
         batch = [reference_rollout(env, tokenizer, FIRST_TASK + step * ws.batch_size + i) for i in range(ws.batch_size)]

@@ -148,10 +148,11 @@ def main(args: argparse.Namespace) -> int:
     engine = Engine(
         args.model,
         numerics=args.numerics,
+        device=args.device,
         dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
     )
     name = args.served_model_name or Path(args.model).resolve().name
     app = build_app(engine, name, ChatTemplate.from_model_dir(args.model), args.max_request_bytes)
-    print(f"serving {name} ({args.numerics} numerics, {args.dtype}) at http://{args.host}:{args.port}/v1")
+    print(f"serving {name} ({args.numerics} numerics, {args.dtype}, {engine.device}) at http://{args.host}:{args.port}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -64,7 +64,7 @@ def policy_loss(
         per_token = active * weight * advantages * logprobs
     elif name == "seq_is":
         num_seqs = int(seq_index.max()) + 1 if seq_index.numel() else 0
-        seq_log_ratio = torch.zeros(num_seqs, dtype=log_ratio.dtype).index_add(0, seq_index, log_ratio.detach())
+        seq_log_ratio = torch.zeros(num_seqs, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, seq_index, log_ratio.detach())
         per_token = torch.exp(seq_log_ratio)[seq_index] * advantages * logprobs
     else:  # ppo_clip
         ratio = torch.exp(log_ratio)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from rzero.model.qwen3 import Qwen3ForCausalLM
-from rzero.ops import AttentionMeta, Numerics, SamplingTransform
+from rzero.ops import AttentionMeta, Numerics, SamplingTransform, resolve_device
 from rzero.ops import numerics as numerics_of
 from rzero.rollout.record import Rollout
 from rzero.train.losses import LossSettings, group_advantages, policy_loss
@@ -81,6 +81,7 @@ class Trainer:
         settings: TrainerSettings,
         *,
         numerics: str | Numerics = "invariant",
+        device: str | torch.device | None = None,
         version: int = 0,
         reducer=None,
     ):
@@ -90,7 +91,9 @@ class Trainer:
         # the ranks and leaves every rank with the same summed gradient.
         self.reducer = reducer
         self.numerics = numerics_of(numerics)
-        self.master = master.float().train()
+        # None: where `master` already is. Otherwise it moves there (in place, like .float()).
+        self.device = master.device if device is None else resolve_device(device)
+        self.master = master.float().to(self.device).train()
         self.master.numerics = self.numerics
         self.compute = self.master if dtype == torch.float32 else copy.deepcopy(self.master).to(dtype)
         self.compute.gradient_checkpointing = settings.gradient_checkpointing
@@ -145,7 +148,7 @@ class Trainer:
             targets.extend(r.completion_ids[i] for i in pos)
             offset += len(s)
         logits = model.logits(hidden[rows])
-        target = torch.tensor(targets, dtype=torch.long)
+        target = torch.tensor(targets, dtype=torch.long, device=logits.device)
         sizes = [len(pos) for pos in positions]
         transforms = {r.transform for r in rollouts}
         if len(transforms) == 1:  # the usual case: one transform, no row gathers or scatters
@@ -156,9 +159,9 @@ class Trainer:
         for r, n in zip(rollouts, sizes):
             by_transform.setdefault(r.transform, []).extend(range(cursor, cursor + n))
             cursor += n
-        out = torch.empty(len(rows), dtype=torch.float32)
+        out = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
         for transform, idx in by_transform.items():
-            idx_t = torch.tensor(idx, dtype=torch.long)
+            idx_t = torch.tensor(idx, dtype=torch.long, device=logits.device)
             lp = model.numerics.transformed_logprobs(logits[idx_t], transform)
             out[idx_t] = lp.gather(1, target[idx_t, None])[:, 0]
         return list(out.split(sizes))
@@ -235,9 +238,10 @@ class Trainer:
         normalizer = float(max(num_tokens, 1))
 
         def loss_fn(mb: list[Rollout], lps: list[torch.Tensor]) -> torch.Tensor:
-            mu = torch.tensor([x for r in mb for x in r.policy_logprobs()], dtype=torch.float32)
-            adv = torch.tensor([advantages[id(r)] for r, x in zip(mb, lps) for _ in range(len(x))], dtype=torch.float32)
-            seq_index = torch.tensor([i for i, x in enumerate(lps) for _ in range(len(x))], dtype=torch.long)
+            on = {"device": lps[0].device}
+            mu = torch.tensor([x for r in mb for x in r.policy_logprobs()], dtype=torch.float32, **on)
+            adv = torch.tensor([advantages[id(r)] for r, x in zip(mb, lps) for _ in range(len(x))], dtype=torch.float32, **on)
+            seq_index = torch.tensor([i for i, x in enumerate(lps) for _ in range(len(x))], dtype=torch.long, **on)
             return policy_loss(torch.cat(lps), mu, adv, seq_index, normalizer, s.objective)
 
         self.zero_grad()
@@ -277,9 +281,9 @@ class Trainer:
     def _diagnostics(self, rollouts: list[Rollout], trainer_lps: list[torch.Tensor]) -> dict[str, float]:
         step = self.version
         pi = torch.cat(trainer_lps)
-        mu = torch.tensor([x for r in rollouts for x in r.policy_logprobs()], dtype=torch.float32)
+        mu = torch.tensor([x for r in rollouts for x in r.policy_logprobs()], dtype=torch.float32, device=pi.device)
         per_rollout = [set(r.policy_versions()) for r in rollouts]
-        versions = torch.tensor([v for r in rollouts for v in r.policy_versions()], dtype=torch.long)
+        versions = torch.tensor([v for r in rollouts for v in r.policy_versions()], dtype=torch.long, device=pi.device)
         log_w = pi - mu
         w = torch.exp(log_w)
         median = float(w.median())
