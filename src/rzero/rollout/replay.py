@@ -38,8 +38,9 @@ def _turns(r: Rollout) -> list[list[int]]:
 @torch.no_grad()
 def _logprob_rows(model: Qwen3ForCausalLM, rollouts: list[Rollout], positions: list[list[int]]) -> list[torch.Tensor]:
     """For each rollout, the transformed logprob rows that predict its completion tokens at
-    `positions` (one prefill of all the sequences)."""
-    seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+    `positions` (one prefill of all the sequences, each cut after its last needed position: a
+    causal model's logits for a prefix do not depend on what follows it)."""
+    seqs = [r.prompt_ids + r.completion_ids[: max(pos) + 1] for r, pos in zip(rollouts, positions)]
     meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs], row_tile=model.numerics.row_tile)
     hidden = model(torch.tensor([t for s in seqs for t in s], dtype=torch.long), meta)
     rows, offset = [], 0
