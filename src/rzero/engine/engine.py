@@ -67,6 +67,7 @@ class Engine:
             # optimizer change the engine's weights mid-generation without a new version.
             model = copy.deepcopy(model).to(parse_dtype(dtype))
         model.numerics = self.numerics  # this engine's own copy: other engines keep their mode
+        model.pack_weights()  # fused q/k/v and gate/up GEMMs, same bits (after the cast: it keeps the layout)
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config

@@ -6,6 +6,7 @@ its numerics at construction and hands it to its model copy, so both modes can r
 """
 
 from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
+from rzero.ops.layout import packed
 from rzero.ops.numerics import INVARIANT, NUMERICS_MODES, STANDARD, Numerics, inside_op, numerics, trace_dispatch
 from rzero.ops.sampling import SamplingTransform
 
@@ -19,5 +20,6 @@ __all__ = [
     "SamplingTransform",
     "inside_op",
     "numerics",
+    "packed",
     "trace_dispatch",
 ]
