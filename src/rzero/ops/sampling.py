@@ -60,6 +60,20 @@ def transformed_logprobs(ops: _Normalizers, logits: torch.Tensor, transform: Sam
     return ops.log_softmax(x)
 
 
+# A row's log must take the bits it takes alone. When the row length is a multiple of 64 (every
+# element in the vectorised body, none in a scalar tail) and a chunk has fewer elements than the
+# grain at which PyTorch splits an elementwise op over threads, several whole rows in one call give
+# each element exactly those bits, for one op call instead of one per row.
+_LOG_ROW_MULTIPLE = 64
+_PARALLEL_GRAIN = 32768
+
+
+def _log_chunks(noise: torch.Tensor) -> list[torch.Tensor]:
+    rows, width = noise.shape
+    per_chunk = _PARALLEL_GRAIN // width if width % _LOG_ROW_MULTIPLE == 0 else 1
+    return list(noise.split(max(1, per_chunk)))
+
+
 def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per row by the Gumbel-max trick with each row's own generator.
 
@@ -77,11 +91,11 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     for i, row in enumerate(sampled):
         torch.rand(logprobs.shape[-1], generator=generators[row], out=noise[i])
     noise.clamp_(min=1e-20)
-    for i in range(len(sampled)):
-        noise[i].log_()
+    for chunk in _log_chunks(noise):
+        chunk.log_()
     noise.neg_()
-    for i in range(len(sampled)):
-        noise[i].log_()
+    for chunk in _log_chunks(noise):
+        chunk.log_()
     if len(sampled) == len(greedy):
         return torch.argmax(logprobs - noise, dim=-1)
     tokens[sampled] = torch.argmax(logprobs[sampled] - noise, dim=-1)
