@@ -33,9 +33,10 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("K,sizes", PACKS)
-@pytest.mark.parametrize("tile_loop_min", [0, 1 << 62], ids=["mm-per-tile", "bmm"])
-def test_packed_linear_keeps_the_bits(K, sizes, dtype, tile_loop_min, monkeypatch):
-    monkeypatch.setattr(invariant, "TILE_LOOP_MIN", tile_loop_min)
+@pytest.mark.parametrize("path", ["mm-per-tile", "bmm", "bmm-chunks"])
+def test_packed_linear_keeps_the_bits(K, sizes, dtype, path, monkeypatch):
+    monkeypatch.setattr(invariant, "TILE_LOOP_MIN", 0 if path == "mm-per-tile" else 1 << 62)
+    monkeypatch.setattr(invariant, "BMM_CHUNK", 3 if path == "bmm-chunks" else 1 << 30)
     x, weight = grouping_probe(160, K, sum(sizes), seed=K * sum(sizes))
     x, weight = x.to(DTYPES[dtype]), weight.to(DTYPES[dtype])
     parts = list(weight.split(sizes))
@@ -132,3 +133,19 @@ def test_packed_path_is_used_only_while_it_holds(monkeypatch):
     assert torch.equal(_forward(as_fp32, seqs), _forward(as_fp32, seqs))
     assert 256 not in calls
     assert reference_logits.dtype == torch.float32
+
+
+@pytest.mark.xfail(strict=True, reason="known: on 2 threads a one-tile fp32 bmm at K >= 1024 gets other bits "
+                   "than the same tile among others (MKL splits one GEMM over threads); the tiny presets "
+                   "(K <= 512) are unaffected; see docs/numerics.md")
+def test_fp32_linear_one_tile_vs_many_at_k1024_two_threads():
+    x, weight = grouping_probe(64, 1024, 1024, seed=1)
+    x, weight = x.float(), weight.float()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        alone = ops.INVARIANT.linear(x[:16], weight)
+        in_batch = ops.INVARIANT.linear(x, weight)[:16]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, in_batch)

@@ -38,8 +38,10 @@ from rzero.ops.attention_meta import ATTN_BLOCK, Q_TILE, AttentionMeta
 ROW_TILE = 16
 ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
 # From this many weight elements on, a contiguous (bf16) weight is multiplied tile by tile with mm
-# rather than in one bmm (measured: bmm wins at 128 x 1024, mm at 1024 x 1024 and up).
-TILE_LOOP_MIN = 1 << 19
+# rather than by bmm (measured on one thread: bmm wins at 128 x 512, mm from 128 x 1024 on); below
+# it, bmm runs at most BMM_CHUNK tiles per call. Every path gives the same bits (tests probe each).
+TILE_LOOP_MIN = 1 << 17
+BMM_CHUNK = 32
 
 
 def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -65,15 +67,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2, rows = _pad_rows(x)
     tiles = x2.view(-1, ROW_TILE, x2.shape[-1])
     wt = gemm_operand(weight)
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if wt.is_contiguous() and wt.numel() >= TILE_LOOP_MIN and tiles.shape[0] > 1:
         # Large bf16 weights: one mm per 16-row tile is the same (16, K) x (K, N) problem as a bmm
         # tile (same bits, probed), and the bmm's bf16 path is far slower at these sizes.
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        if grad:
             out = torch.cat([torch.mm(tile, wt) for tile in tiles])
         else:
             out = x2.new_empty(x2.shape[0], wt.shape[1])
             for tile, dest in zip(tiles, out.split(ROW_TILE)):
                 torch.mm(tile, wt, out=dest)
+    elif wt.is_contiguous() and tiles.shape[0] > BMM_CHUNK:
+        # Many bf16 tiles: bmm's cost per tile grows past a few dozen tiles; chunks keep it flat.
+        # (Not fp32: on 2 threads a one-tile fp32 bmm gets other bits at K >= 1024.)
+        chunks = [torch.bmm(c, wt.expand(c.shape[0], *wt.shape)) for c in tiles.split(BMM_CHUNK)]
+        out = torch.cat(chunks)
     else:
         out = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape))
     return out.view(-1, weight.shape[0])[:rows].reshape(*x.shape[:-1], weight.shape[0])
