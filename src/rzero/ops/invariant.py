@@ -63,20 +63,16 @@ def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
     return wt.contiguous() if weight.dtype == torch.bfloat16 else wt
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2, rows = _pad_rows(x)
     tiles = x2.view(-1, ROW_TILE, x2.shape[-1])
     wt = gemm_operand(weight)
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if wt.is_contiguous() and wt.numel() >= TILE_LOOP_MIN and tiles.shape[0] > 1:
         # Large bf16 weights: one mm per 16-row tile is the same (16, K) x (K, N) problem as a bmm
         # tile (same bits, probed), and the bmm's bf16 path is far slower at these sizes.
-        if grad:
-            out = torch.cat([torch.mm(tile, wt) for tile in tiles])
-        else:
-            out = x2.new_empty(x2.shape[0], wt.shape[1])
-            for tile, dest in zip(tiles, out.split(ROW_TILE)):
-                torch.mm(tile, wt, out=dest)
+        out = x2.new_empty(x2.shape[0], wt.shape[1])
+        for tile, dest in zip(tiles, out.split(ROW_TILE)):
+            torch.mm(tile, wt, out=dest)
     elif wt.is_contiguous() and tiles.shape[0] > BMM_CHUNK:
         # Many bf16 tiles: bmm's cost per tile grows past a few dozen tiles; chunks keep it flat.
         # (Not fp32: on 2 threads a one-tile fp32 bmm gets other bits at K >= 1024.)
@@ -85,6 +81,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     else:
         out = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape))
     return out.view(-1, weight.shape[0])[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    """Invariant forward; plain backward (two whole-batch GEMMs, like F.linear's): only the forward
+    has to match the engine bit for bit (as for attention), the gradients just have to be right."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _linear_forward(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad2 = grad.reshape(-1, weight.shape[0])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grad2, weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(grad2.t(), x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Linear.apply(x, weight)
+    return _linear_forward(x, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
