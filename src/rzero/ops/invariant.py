@@ -7,7 +7,9 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   between 1 and 2 threads). We cut the rows into tiles of exactly ROW_TILE and run one batched
   GEMM over the tiles with a broadcast weight: every tile is the same (ROW_TILE, K) x (K, N)
   problem, whatever the batch, so a row's bits do not depend on M or on its neighbours.
-  tests/test_ops.py probes this with inputs whose fp32 sums expose any change of grouping.
+  tests/test_ops.py probes this with inputs whose fp32 sums expose any change of grouping. bf16
+  tiles run on a row-major weight copy, in bmm chunks or one mm per tile: the same problem and
+  bits (tests/test_linear_layout.py), much faster. The backward is plain (F.linear's math).
 - row reductions (norms, softmax): each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
   padding rows to ROW_TILE rules that out.
