@@ -694,6 +694,30 @@ def test_sample_tokens_depend_only_on_row_seed():
     assert int(INVARIANT.sample_tokens(target[None], [True], [None])[0]) == int(target.argmax())
 
 
+@pytest.mark.parametrize("vocab", [1000, 1024, 64 * 37, 32768, 151936])
+def test_sample_tokens_batched_logs_give_each_row_its_own_bits(vocab):
+    """The Gumbel noise's logs run on chunks of whole rows (sampling._log_chunks); every element
+    must get the bits it gets when its row is logged alone, at 1 and 2 threads."""
+    from rzero.ops import sampling
+
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (1, 3, 64, 129):
+                x = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(rows)).clamp_(min=1e-20)
+                x *= torch.logspace(-30, 0, vocab)  # many binades, so that any change of log kernel shows
+                alone = x.clone()
+                for r in range(rows):
+                    alone[r].log_()
+                chunked = x.clone()
+                for chunk in sampling._log_chunks(chunked):
+                    chunk.log_()
+                assert torch.equal(alone, chunked), f"vocab {vocab}, rows {rows}, threads {t}"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_sample_tokens_frequencies_match_distribution():
     """Empirical frequencies of Gumbel-max sampling match exp(logprobs) (chi-square, fixed seed);
     tokens masked by the transform are never drawn."""

@@ -73,6 +73,7 @@ class Engine:
         self.device = model.device if requested is None else requested
         model = model.to(self.device)  # a copy already (loaded or deep-copied above)
         model.numerics = self.numerics  # this engine's own copy: other engines keep their mode
+        model.pack_weights()  # fused q/k/v and gate/up GEMMs, same bits (after the cast: it keeps the layout)
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config

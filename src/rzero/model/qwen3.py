@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics
+from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, packed
 from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
@@ -106,6 +106,36 @@ class Linear(nn.Module):
         return nx.linear(x, self.weight)
 
 
+class Packed:
+    """The weights of Linear modules that read one input, stored in one tensor whose views the
+    modules' parameters are (`Qwen3ForCausalLM.pack_weights`): one GEMM for all of them, while
+    parameter names, shapes and in-place weight loads stay as they were."""
+
+    def __init__(self, linears: list[Linear]):
+        self.weight, views = packed([lin.weight for lin in linears])
+        for lin, view in zip(linears, views):
+            lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
+        self.sizes = [v.shape[0] for v in views]
+        self.ptrs = [v.data_ptr() for v in views]
+
+    def outputs(self, x: torch.Tensor, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
+        """Each module's output: split from one GEMM while the parameters are still views of the
+        packed tensor and no gradient is wanted; else each module on its own (same bits)."""
+        weights = [lin.weight for lin in linears]
+        if [w.data_ptr() for w in weights] == self.ptrs and not (
+            torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        ):
+            return list(nx.linear(x, self.weight).split(self.sizes, dim=-1))
+        return [lin(x, nx) for lin in linears]
+
+
+def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
+    packed_weights = owner.__dict__.get("packed")
+    if packed_weights is None:
+        return [lin(x, nx) for lin in linears]
+    return packed_weights.outputs(x, linears, nx)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -114,7 +144,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        return self.down_proj(nx.silu_mul(self.gate_proj(x, nx), self.up_proj(x, nx)), nx)
+        gate, up = project(x, self, [self.gate_proj, self.up_proj], nx)
+        return self.down_proj(nx.silu_mul(gate, up), nx)
 
 
 class Attention(nn.Module):
@@ -141,9 +172,10 @@ class Attention(nn.Module):
         nx: Numerics,
     ) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_norm(self.q_proj(x, nx).view(rows, self.num_heads, self.head_dim), nx)
-        k = self.k_norm(self.k_proj(x, nx).view(rows, self.num_kv_heads, self.head_dim), nx)
-        v = self.v_proj(x, nx).view(rows, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self, [self.q_proj, self.k_proj, self.v_proj], nx)
+        q = self.q_norm(q.view(rows, self.num_heads, self.head_dim), nx)
+        k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim), nx)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
         q, k = nx.apply_rotary(q, cos, sin), nx.apply_rotary(k, cos, sin)
         real = meta.num_tokens
         if cache is None:
@@ -262,6 +294,29 @@ class Qwen3ForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits in fp32 for the given rows of hidden states."""
         return self.lm_head(hidden, self.numerics).float()
+
+    def pack_weights(self) -> None:
+        """Store q/k/v and gate/up weights in one tensor each, and bf16 weights row-major (K, N)
+        (`rzero.ops.packed`), for no-grad forward passes (the engine calls this after its cast).
+        Bits unchanged; state_dict names and shapes unchanged. A later cast or weight swap only
+        falls back to the unpacked path; call again to pack anew."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, Attention):
+                    module.packed = Packed([module.q_proj, module.k_proj, module.v_proj])
+                    singles = [module.o_proj]
+                elif isinstance(module, MLP):
+                    module.packed = Packed([module.gate_proj, module.up_proj])
+                    singles = [module.down_proj]
+                else:
+                    continue
+                if self.dtype == torch.bfloat16:  # only the layout changes (fp32 has nothing to gain)
+                    for lin in singles:
+                        Packed([lin])
+            if self.dtype == torch.bfloat16:
+                Packed([self.lm_head])
+                if self.config.tie_word_embeddings:
+                    self.model.embed_tokens.weight = self.lm_head.weight
 
     def new_kv_caches(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, ATTN_BLOCK, self.config.num_key_value_heads, self.config.head_dim)

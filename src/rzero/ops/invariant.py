@@ -7,7 +7,9 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   between 1 and 2 threads). We cut the rows into tiles of exactly ROW_TILE and run one batched
   GEMM over the tiles with a broadcast weight: every tile is the same (ROW_TILE, K) x (K, N)
   problem, whatever the batch, so a row's bits do not depend on M or on its neighbours.
-  tests/test_ops.py probes this with inputs whose fp32 sums expose any change of grouping.
+  tests/test_ops.py probes this with inputs whose fp32 sums expose any change of grouping. bf16
+  tiles run on a row-major weight copy, in bmm chunks or one mm per tile: the same problem and
+  bits (tests/test_linear_layout.py), much faster. The backward is plain (F.linear's math).
 - row reductions (norms, softmax): each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
   padding rows to ROW_TILE rules that out.
@@ -37,6 +39,11 @@ from rzero.ops.attention_meta import ATTN_BLOCK, Q_TILE, AttentionMeta
 
 ROW_TILE = 16
 ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
+# From this many weight elements on, a contiguous (bf16) weight is multiplied tile by tile with mm
+# rather than by bmm (measured on one thread: bmm wins at 128 x 512, mm from 128 x 1024 on); below
+# it, bmm runs at most BMM_CHUNK tiles per call. Every path gives the same bits (tests probe each).
+TILE_LOOP_MIN = 1 << 17
+BMM_CHUNK = 32
 
 
 def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -49,11 +56,60 @@ def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x2.contiguous(), rows
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
+    """The (K, N) right-hand side `linear` multiplies by. bf16: row-major (K, N), copied if the weight
+    is not stored that way (`Qwen3ForCausalLM.pack_weights` stores it so): same bits as the
+    transposed (N, K) view (tests/test_ops.py probes it), 5-40x faster. fp32 keeps the transposed
+    view: there a row-major operand changes the bits at K = 1024."""
+    wt = weight.t()
+    return wt.contiguous() if weight.dtype == torch.bfloat16 else wt
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2, rows = _pad_rows(x)
     tiles = x2.view(-1, ROW_TILE, x2.shape[-1])
-    out = torch.bmm(tiles, weight.t().expand(tiles.shape[0], *weight.t().shape))
+    wt = gemm_operand(weight)
+    if wt.is_contiguous() and wt.numel() >= TILE_LOOP_MIN and tiles.shape[0] > 1:
+        # Large bf16 weights: one mm per 16-row tile is the same (16, K) x (K, N) problem as a bmm
+        # tile (same bits, probed), and the bmm's bf16 path is far slower at these sizes.
+        out = x2.new_empty(x2.shape[0], wt.shape[1])
+        for tile, dest in zip(tiles, out.split(ROW_TILE)):
+            torch.mm(tile, wt, out=dest)
+    elif wt.is_contiguous() and tiles.shape[0] > BMM_CHUNK:
+        # Many bf16 tiles: bmm's cost per tile grows past a few dozen tiles; chunks keep it flat.
+        # (Not fp32: on 2 threads a one-tile fp32 bmm gets other bits at K >= 1024.)
+        chunks = [torch.bmm(c, wt.expand(c.shape[0], *wt.shape)) for c in tiles.split(BMM_CHUNK)]
+        out = torch.cat(chunks)
+    else:
+        out = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape))
     return out.view(-1, weight.shape[0])[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    """Invariant forward; plain backward (two whole-batch GEMMs, like F.linear's): only the forward
+    has to match the engine bit for bit (as for attention), the gradients just have to be right."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _linear_forward(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad2 = grad.reshape(-1, weight.shape[0])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grad2, weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(grad2.t(), x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Linear.apply(x, weight)
+    return _linear_forward(x, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,6 +130,9 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # Contiguous, so that the vectorised body and tail split the flat tensor, never a strided row
+    # (the gate is a column slice of the packed gate/up GEMM in the engine).
+    gate = gate.contiguous()
     n = gate.numel()
     pad = (-n) % ELEMENTWISE_TILE
     if not pad:

@@ -69,6 +69,20 @@ def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([row.cumsum(-1) for row in x]) if len(x) else x.cumsum(-1)
 
 
+# A row's log must take the bits it takes alone. When the row length is a multiple of 64 (every
+# element in the vectorised body, none in a scalar tail) and a chunk has fewer elements than the
+# grain at which PyTorch splits an elementwise op over threads, several whole rows in one call give
+# each element exactly those bits, for one op call instead of one per row.
+_LOG_ROW_MULTIPLE = 64
+_PARALLEL_GRAIN = 32768
+
+
+def _log_chunks(noise: torch.Tensor) -> list[torch.Tensor]:
+    rows, width = noise.shape
+    per_chunk = _PARALLEL_GRAIN // width if width % _LOG_ROW_MULTIPLE == 0 else 1
+    return list(noise.split(max(1, per_chunk)))
+
+
 def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per row by the Gumbel-max trick with each row's own generator.
 
@@ -88,11 +102,11 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     for i, row in enumerate(sampled):
         torch.rand(logprobs.shape[-1], generator=generators[row], out=noise[i])
     noise.clamp_(min=1e-20)
-    for i in range(len(sampled)):
-        noise[i].log_()
+    for chunk in _log_chunks(noise):
+        chunk.log_()
     noise.neg_()
-    for i in range(len(sampled)):
-        noise[i].log_()
+    for chunk in _log_chunks(noise):
+        chunk.log_()
     if noise.device != logprobs.device:  # a no-op .to() is still an aten op under inference_mode
         noise = noise.to(logprobs.device)
     if len(sampled) == len(greedy):
