@@ -211,9 +211,10 @@ def train(
             m["time/wait_rollouts"] = t_wait
             m["time/step"] = now - t0
             m["tokens/s"] = m["train/completion_tokens"] / max(m["time/step"], 1e-9)
-            m.update(backend.stats())
+            stats = backend.stats()  # read once: the record must hold what the metrics row says
+            m.update(stats)
             if config.run.record_rollouts:
-                record.append(step, backend.last_groups, groups, backend.stats())
+                record.append(step, backend.last_groups, groups, stats)
             consecutive_skips = consecutive_skips + 1 if math.isnan(m["loss"]) else 0
             m["train/consecutive_skips"] = float(consecutive_skips)
             metrics_log.write(m)
