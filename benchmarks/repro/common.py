@@ -136,3 +136,15 @@ def plot_curves(curves: dict[str, list[float]], every: int, path: Path, title: s
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def reward_curve(run_dir: Path, window: int, every: int, limit: int | None = None) -> list[float]:
+    """The run's reward, as a `window`-step moving average, every `every` steps."""
+    return moving_average([m["reward/mean"] for m in metrics(run_dir)[:limit]], window)[::every]
+
+
+def write_results(claim: str, summary: dict, curves: dict[str, list[float]], every: int, title: str, window: int) -> None:
+    """docs/reproduction_<claim>.json and docs/img/<claim>_reward.png."""
+    (REPO / f"docs/reproduction_{claim}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_curves(curves, every, REPO / f"docs/img/{claim}_reward.png", title, f"reward ({window}-step moving average)")
+    print(f"wrote docs/reproduction_{claim}.json and docs/img/{claim}_reward.png")

@@ -22,8 +22,8 @@ import json
 from pathlib import Path
 
 import torch
-from common import (REPO, WINDOW, evaluate, final_model, metrics, moving_average, pass_at_1, plot_curves, run_parallel,
-                    summarize_run, train_argv)
+from common import (REPO, WINDOW, evaluate, final_model, pass_at_1, reward_curve, run_parallel, summarize_run, train_argv,
+                    write_results)
 
 from rzero.config import load_config
 from rzero.run.loop import prepare_base_model
@@ -69,14 +69,10 @@ def summarize(args) -> None:
                              "pass_at_1_start": pass_at_1(runs_dir / "eval-base"),
                              "pass_at_1_end": pass_at_1(runs_dir / f"eval-{name}"),
                              "pass_at_1_end_model": (runs_dir / name / "checkpoints" / "latest").read_text().strip()}
-            curves[name] = moving_average([m["reward/mean"] for m in metrics(runs_dir / name)[:args.max_steps]])[::50]
+            curves[name] = reward_curve(runs_dir / name, WINDOW, 50, args.max_steps)
             print(name, json.dumps(summary[name]), flush=True)
-    (REPO / "docs/reproduction_r2.json").write_text(json.dumps(
-        {"task": TASK, "warm_start_steps": WARM_START_STEPS, "window": WINDOW, "runs": summary,
-         "reward_ma_every_50_steps": curves}, indent=1) + "\n")
-    plot_curves(curves, 50, REPO / "docs/img/r2_reward.png", "R2: lag 8, two-digit sums and differences",
-                f"reward ({WINDOW}-step moving average)")
-    print("wrote docs/reproduction_r2.json and docs/img/r2_reward.png")
+    write_results("r2", {"task": TASK, "warm_start_steps": WARM_START_STEPS, "window": WINDOW, "runs": summary,
+                         "reward_ma_every_50_steps": curves}, curves, 50, "R2: lag 8, two-digit sums and differences", WINDOW)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import REPO, evaluate, final_model, metrics, moving_average, pass_at_1, plot_curves, run_parallel, summarize_run, train_argv
+from common import REPO, evaluate, final_model, pass_at_1, reward_curve, run_parallel, summarize_run, train_argv, write_results
 
 from rzero.config import load_config
 from rzero.run.loop import prepare_base_model
@@ -70,12 +70,9 @@ def main() -> None:
         summary[name] = {**summarize_run(runs_dir / name, WINDOW),
                          "pass_at_1_start": pass_at_1(runs_dir / f"eval-base-{task}-{preset}"),
                          "pass_at_1_end": pass_at_1(runs_dir / f"eval-{name}")}
-        curves[name] = moving_average([m["reward/mean"] for m in metrics(runs_dir / name)], WINDOW)[::10]
+        curves[name] = reward_curve(runs_dir / name, WINDOW, 10)
         print(name, json.dumps(summary[name]), flush=True)
-    (REPO / "docs/reproduction_r3.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot_curves(curves, 10, REPO / "docs/img/r3_reward.png", "R3: tiny-moe vs tiny-dense, invariant vs standard",
-                f"reward ({WINDOW}-step moving average)")
-    print("wrote docs/reproduction_r3.json and docs/img/r3_reward.png")
+    write_results("r3", summary, curves, 10, "R3: tiny-moe vs tiny-dense, invariant vs standard", WINDOW)
 
 
 if __name__ == "__main__":

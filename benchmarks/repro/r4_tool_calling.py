@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import REPO, evaluate, final_model, metrics, moving_average, pass_at_1, plot_curves, run_parallel, summarize_run, train_argv
+from common import REPO, evaluate, final_model, pass_at_1, reward_curve, run_parallel, summarize_run, train_argv, write_results
 
 from rzero.config import load_config
 from rzero.run.loop import prepare_base_model
@@ -47,12 +47,9 @@ def main() -> None:
     for name in RUNS:
         summary["runs"][name] = {**summarize_run(runs_dir / name, WINDOW),
                                  "pass_at_1_end": pass_at_1(runs_dir / f"eval-{name}")}
-        curves[name] = moving_average([m["reward/mean"] for m in metrics(runs_dir / name)], WINDOW)
+        curves[name] = reward_curve(runs_dir / name, WINDOW, 1)
         print(name, json.dumps(summary["runs"][name]), flush=True)
-    (REPO / "docs/reproduction_r4.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot_curves(curves, 1, REPO / "docs/img/r4_reward.png", "R4: tool_calc, lag 64 vs synchronous",
-                f"reward ({WINDOW}-step moving average)")
-    print("wrote docs/reproduction_r4.json and docs/img/r4_reward.png")
+    write_results("r4", summary, curves, 1, "R4: tool_calc, lag 64 vs synchronous", WINDOW)
 
 
 if __name__ == "__main__":
