@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from rzero import ops
 from rzero.ops import ATTN_BLOCK, INVARIANT, AttentionMeta, SamplingTransform
+from rzero.ops import invariant
+from rzero.ops.invariant import grouping_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,21 +81,6 @@ def test_invariant_linear_rows_are_batch_invariant(data, K, N, dtype):
     diff = (alone.float() - in_batch.float()).abs().max()
     assert torch.equal(alone, in_batch), f"rows={rows} pos={pos}: max diff {diff}"
     assert torch.equal(alone, as_3d)
-
-
-def grouping_probe(rows: int, K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 inputs whose products are 0, ±1 or ±2^24: an fp32 sum of them depends on how the GEMM
-    groups its K terms ((2^24 + 1) - 2^24 = 0 but (2^24 - 2^24) + 1 = 1), so a change of kernel or
-    K blocking shows in the output instead of hiding below the bf16 rounding."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def side(n: int) -> torch.Tensor:
-        big = torch.rand(n, K, generator=gen) < 0.05
-        sign = torch.where(torch.rand(n, K, generator=gen) < 0.5, 1.0, -1.0)
-        ones = (torch.rand(n, K, generator=gen) < 0.5).float()
-        return torch.where(big, 4096.0 * sign, ones).bfloat16()
-
-    return side(rows), side(N)
 
 
 # Shapes of the tiny presets and of a Qwen3-0.6B layer (hidden 1024, MLP 3072).
@@ -776,3 +763,25 @@ def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
     bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
     single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[:21], single[:21])
+
+
+def test_big_tiles_only_where_the_probe_proves_the_bits(monkeypatch):
+    """A big tile is used only if it gives every row a ROW_TILE tile's bits. Negative control: a
+    big-tile GEMM that sums K in two halves (another grouping) is caught and never used, and the
+    linear still gives the 16-row tiles' bits."""
+    K, N = 128, 64
+    x, weight = grouping_probe(300, K, N, seed=3)
+    reference = torch.cat([INVARIANT.linear(t, weight) for t in x.split(16)])
+
+    def two_halves(a, wt, out):
+        torch.add(a[:, : K // 2] @ wt[: K // 2], a[:, K // 2 :] @ wt[K // 2 :], out=out)
+
+    invariant.big_tiles.cache_clear()
+    try:
+        assert torch.equal(INVARIANT.linear(x, weight), reference)
+        monkeypatch.setattr(invariant, "_big_tile_mm", two_halves)
+        invariant.big_tiles.cache_clear()
+        assert invariant.big_tiles(K, N, torch.bfloat16, True, torch.get_num_threads()) == ()
+        assert torch.equal(INVARIANT.linear(x, weight), reference)
+    finally:
+        invariant.big_tiles.cache_clear()

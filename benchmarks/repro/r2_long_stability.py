@@ -5,10 +5,11 @@
 
 `run` trains, from one shared warm-started model, the claim and its controls at weight lag 8:
 
-  invariant    reinforce_is, invariant numerics   (the claim; --steps)
-  standard     reinforce_is, standard numerics    (kernel mismatch on top of the lag; --steps)
-  on_policy    on_policy loss on the same stale data: no correction for the lag (--control-steps)
-  ppo_clip     the clipped objective (--control-steps)
+  invariant       reinforce_is, invariant numerics   (the claim; --steps)
+  invariant_lag2  the same at weight lag 2           (the claim at the seed's other lag; --steps)
+  standard        reinforce_is, standard numerics    (kernel mismatch on top of the lag; --steps)
+  on_policy       on_policy loss on the same stale data: no correction for the lag (--control-steps)
+  ppo_clip        the clipped objective (--control-steps)
 
 Each run is its own `rzero train` process with one thread, `--parallel` of them at a time (two on
 the project's two cores), and is evaluated on held-out problems (greedy pass@1) at its start and
@@ -39,6 +40,7 @@ RUNS = {  # name -> (overrides, uses --control-steps)
     "standard": (["model.numerics=standard", "train.loss=reinforce_is"], False),
     "on_policy": (["model.numerics=invariant", "train.loss=on_policy"], True),
     "ppo_clip": (["model.numerics=invariant", "train.loss=ppo_clip"], True),
+    "invariant_lag2": (["model.numerics=invariant", "train.loss=reinforce_is", "rollout.max_lag=2"], False),
 }
 SUITE = REPO / "configs/eval/arithmetic_2digit.toml"
 

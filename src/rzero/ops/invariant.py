@@ -9,7 +9,9 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   problem, whatever the batch, so a row's bits do not depend on M or on its neighbours.
   tests/test_ops.py probes this with inputs whose fp32 sums expose any change of grouping. bf16
   tiles run on a row-major weight copy, in bmm chunks or one mm per tile: the same problem and
-  bits (tests/test_linear_layout.py), much faster. The backward is plain (F.linear's math).
+  bits (tests/test_linear_layout.py), much faster. Many rows (prefill, training) go in bigger
+  tiles of 64-1024 rows where a grouping probe run once per weight shape, dtype and thread count
+  proves they give a 16-row tile's bits (`big_tiles`). The backward is plain (F.linear's math).
 - row reductions (norms, softmax): each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
   padding rows to ROW_TILE rules that out.
@@ -30,6 +32,7 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,6 +47,8 @@ ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
 # it, bmm runs at most BMM_CHUNK tiles per call. Every path gives the same bits (tests probe each).
 TILE_LOOP_MIN = 1 << 17
 BMM_CHUNK = 32
+# Row tiles for many rows, each kept only where a probe proves it gives ROW_TILE's bits (big_tiles).
+BIG_TILES = (1024, 512, 256, 128, 64)
 
 
 def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -65,24 +70,82 @@ def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
     return wt.contiguous() if weight.dtype == torch.bfloat16 else wt
 
 
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    x2, rows = _pad_rows(x)
+def grouping_probe(rows: int, K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x (rows, K), weight (N, K)), bf16, whose products are 0, ±1 or ±2^24: an fp32 sum of them
+    depends on how the GEMM groups its K terms ((2^24 + 1) - 2^24 = 0 but (2^24 - 2^24) + 1 = 1),
+    so a change of kernel or K blocking shows in the output instead of hiding below the rounding."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def side(n: int) -> torch.Tensor:
+        big = torch.rand(n, K, generator=gen) < 0.05
+        sign = torch.where(torch.rand(n, K, generator=gen) < 0.5, 1.0, -1.0)
+        ones = (torch.rand(n, K, generator=gen) < 0.5).float()
+        return torch.where(big, 4096.0 * sign, ones).bfloat16()
+
+    return side(rows), side(N)
+
+
+def _small_tiles(x2: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x2 @ wt in ROW_TILE-row tiles (x2's rows: a multiple of ROW_TILE)."""
     tiles = x2.view(-1, ROW_TILE, x2.shape[-1])
-    wt = gemm_operand(weight)
     if wt.is_contiguous() and wt.numel() >= TILE_LOOP_MIN and tiles.shape[0] > 1:
         # Large bf16 weights: one mm per 16-row tile is the same (16, K) x (K, N) problem as a bmm
         # tile (same bits, probed), and the bmm's bf16 path is far slower at these sizes.
-        out = x2.new_empty(x2.shape[0], wt.shape[1])
         for tile, dest in zip(tiles, out.split(ROW_TILE)):
             torch.mm(tile, wt, out=dest)
     elif wt.is_contiguous() and tiles.shape[0] > BMM_CHUNK:
         # Many bf16 tiles: bmm's cost per tile grows past a few dozen tiles; chunks keep it flat.
         # (Not fp32: on 2 threads a one-tile fp32 bmm gets other bits at K >= 1024.)
-        chunks = [torch.bmm(c, wt.expand(c.shape[0], *wt.shape)) for c in tiles.split(BMM_CHUNK)]
-        out = torch.cat(chunks)
+        for chunk, dest in zip(tiles.split(BMM_CHUNK), out.split(BMM_CHUNK * ROW_TILE)):
+            torch.bmm(chunk, wt.expand(chunk.shape[0], *wt.shape), out=dest.view(chunk.shape[0], ROW_TILE, -1))
     else:
-        out = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape))
-    return out.view(-1, weight.shape[0])[:rows].reshape(*x.shape[:-1], weight.shape[0])
+        torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape), out=out.view(tiles.shape[0], ROW_TILE, -1))
+
+
+def _big_tile_mm(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mm(x, wt, out=out)
+
+
+@functools.lru_cache(maxsize=None)
+def big_tiles(K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int) -> tuple[int, ...]:
+    """The tile sizes of BIG_TILES that this machine's GEMM proves, for a (K, N) weight in this
+    dtype and layout on this many threads, to give every row exactly a ROW_TILE tile's bits.
+
+    The GEMM's kernel and K blocking follow the row count, so most sizes are not safe, but some
+    are, and at 64-1024 rows per call a prefill or a training batch runs at up to the stock GEMM's
+    speed instead of paying a weight repack per 16 rows. The proof is a grouping probe: inputs
+    whose every fp32 sum changes if the K terms are grouped differently. A size is kept only if
+    all its rows (every position in the tile) match the ROW_TILE tiles bit for bit."""
+    x, weight = grouping_probe(max(BIG_TILES), K, N, seed=K * 7919 + N)
+    x, weight = x.to(dtype), weight.to(dtype)
+    wt = weight.t().contiguous() if row_major else weight.t()
+    reference = x.new_empty(x.shape[0], N)
+    _small_tiles(x, wt, reference)
+    kept = []
+    for size in BIG_TILES:
+        got = x.new_empty(size, N)
+        _big_tile_mm(x[:size], wt, got)
+        if torch.equal(got, reference[:size]):
+            kept.append(size)
+    return tuple(kept)
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x2, rows = _pad_rows(x)
+    wt = gemm_operand(weight)
+    out = x2.new_empty(x2.shape[0], wt.shape[1])
+    start = 0
+    if x2.shape[0] >= min(BIG_TILES):
+        # Bulk rows in the largest proven tiles (one mm each), the rest in ROW_TILE tiles: every
+        # row gets a ROW_TILE tile's bits whichever tile it lands in.
+        for size in big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads()):
+            end = start + (x2.shape[0] - start) // size * size
+            for s in range(start, end, size):
+                _big_tile_mm(x2[s:s + size], wt, out[s:s + size])
+            start = end
+    if start < x2.shape[0]:
+        _small_tiles(x2[start:], wt, out[start:])
+    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _Linear(torch.autograd.Function):
