@@ -48,7 +48,7 @@ ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
 TILE_LOOP_MIN = 1 << 17
 BMM_CHUNK = 32
 # Row tiles for many rows, each kept only where a probe proves it gives ROW_TILE's bits (big_tiles).
-BIG_TILES = (1024, 512, 256, 128, 64)
+BIG_TILES = (1024, 512, 256, 128, 64)  # largest first
 
 
 def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -85,21 +85,28 @@ def grouping_probe(rows: int, K: int, N: int, seed: int) -> tuple[torch.Tensor, 
     return side(rows), side(N)
 
 
-def _small_tiles(x2: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> None:
-    """out = x2 @ wt in ROW_TILE-row tiles (x2's rows: a multiple of ROW_TILE)."""
-    tiles = x2.view(-1, ROW_TILE, x2.shape[-1])
-    if wt.is_contiguous() and wt.numel() >= TILE_LOOP_MIN and tiles.shape[0] > 1:
+def _small_tiles(x2: torch.Tensor, wt: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 @ wt in ROW_TILE-row tiles (x2's rows: a multiple of ROW_TILE), into `out` if given."""
+    n_tiles, n = x2.shape[0] // ROW_TILE, wt.shape[1]
+    if wt.is_contiguous() and n_tiles == 1:  # bf16 decode: mm is a bmm tile's problem, a little faster
+        return torch.mm(x2, wt, out=out)
+    if wt.is_contiguous() and wt.numel() >= TILE_LOOP_MIN:
         # Large bf16 weights: one mm per 16-row tile is the same (16, K) x (K, N) problem as a bmm
         # tile (same bits, probed), and the bmm's bf16 path is far slower at these sizes.
-        for tile, dest in zip(tiles, out.split(ROW_TILE)):
+        out = x2.new_empty(x2.shape[0], n) if out is None else out
+        for tile, dest in zip(x2.split(ROW_TILE), out.split(ROW_TILE)):
             torch.mm(tile, wt, out=dest)
-    elif wt.is_contiguous() and tiles.shape[0] > BMM_CHUNK:
+        return out
+    tiles = x2.view(n_tiles, ROW_TILE, -1)
+    if wt.is_contiguous() and n_tiles > BMM_CHUNK:
         # Many bf16 tiles: bmm's cost per tile grows past a few dozen tiles; chunks keep it flat.
         # (Not fp32: on 2 threads a one-tile fp32 bmm gets other bits at K >= 1024.)
+        out = x2.new_empty(x2.shape[0], n) if out is None else out
         for chunk, dest in zip(tiles.split(BMM_CHUNK), out.split(BMM_CHUNK * ROW_TILE)):
-            torch.bmm(chunk, wt.expand(chunk.shape[0], *wt.shape), out=dest.view(chunk.shape[0], ROW_TILE, -1))
-    else:
-        torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape), out=out.view(tiles.shape[0], ROW_TILE, -1))
+            torch.bmm(chunk, wt.expand(chunk.shape[0], *wt.shape), out=dest.view(chunk.shape[0], ROW_TILE, n))
+        return out
+    dest = None if out is None else out.view(n_tiles, ROW_TILE, n)
+    return torch.bmm(tiles, wt.expand(n_tiles, *wt.shape), out=dest).view(-1, n)
 
 
 def _big_tile_mm(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> None:
@@ -119,8 +126,7 @@ def big_tiles(K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int)
     x, weight = grouping_probe(max(BIG_TILES), K, N, seed=K * 7919 + N)
     x, weight = x.to(dtype), weight.to(dtype)
     wt = weight.t().contiguous() if row_major else weight.t()
-    reference = x.new_empty(x.shape[0], N)
-    _small_tiles(x, wt, reference)
+    reference = _small_tiles(x, wt)
     kept = []
     for size in BIG_TILES:
         got = x.new_empty(size, N)
@@ -133,16 +139,18 @@ def big_tiles(K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int)
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x2, rows = _pad_rows(x)
     wt = gemm_operand(weight)
+    sizes = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads()) if len(x2) >= BIG_TILES[-1] else ()
+    if not sizes:  # decode batches and small weights' short inputs: 16-row tiles only
+        return _small_tiles(x2, wt)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    # Bulk rows in the largest proven tiles (one mm each), the rest in ROW_TILE tiles: every row
+    # gets a ROW_TILE tile's bits whichever tile it lands in.
     out = x2.new_empty(x2.shape[0], wt.shape[1])
     start = 0
-    if x2.shape[0] >= min(BIG_TILES):
-        # Bulk rows in the largest proven tiles (one mm each), the rest in ROW_TILE tiles: every
-        # row gets a ROW_TILE tile's bits whichever tile it lands in.
-        for size in big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads()):
-            end = start + (x2.shape[0] - start) // size * size
-            for s in range(start, end, size):
-                _big_tile_mm(x2[s:s + size], wt, out[s:s + size])
-            start = end
+    for size in sizes:
+        end = start + (x2.shape[0] - start) // size * size
+        for s in range(start, end, size):
+            _big_tile_mm(x2[s : s + size], wt, out[s : s + size])
+        start = end
     if start < x2.shape[0]:
         _small_tiles(x2[start:], wt, out[start:])
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
