@@ -74,7 +74,7 @@ def summarize(args) -> None:
             curves[name] = reward_curve(runs_dir / name, WINDOW, 50, args.max_steps)
             print(name, json.dumps(summary[name]), flush=True)
     write_results("r2", {"task": TASK, "warm_start_steps": WARM_START_STEPS, "window": WINDOW, "runs": summary,
-                         "reward_ma_every_50_steps": curves}, curves, 50, "R2: lag 8, two-digit sums and differences", WINDOW)
+                         "reward_ma_every_50_steps": curves}, curves, 50, "R2: two-digit sums and differences, lag 8 (and lag 2)", WINDOW)
 
 
 def main() -> None:
