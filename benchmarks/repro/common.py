@@ -83,9 +83,11 @@ def moving_average(values: list[float], window: int = WINDOW) -> list[float]:
     return out
 
 
-def collapse_step(ma: list[float]) -> int | None:
+def collapse_step(ma: list[float], start: int = 0) -> int | None:
+    """First step where the moving average is below half its best so far, counting from `start`
+    (the first full window: a partial window's average of a few steps is no baseline)."""
     best = 0.0
-    for i, v in enumerate(ma):
+    for i, v in enumerate(ma[start:], start):
         best = max(best, v)
         if best >= 0.05 and v < 0.5 * best:
             return i
@@ -101,6 +103,7 @@ def summarize_run(run_dir: Path, window: int = WINDOW, limit: int | None = None)
     rows = metrics(run_dir)[:limit]
     rewards = [m["reward/mean"] for m in rows]
     ma = moving_average(rewards, window)
+    full = min(window, len(ma)) - 1  # the first step whose moving average covers a full window
     taken = [m for m in rows if not math.isnan(m["loss"])]
     wall = run_dir / "wall_s"
     return {
@@ -108,8 +111,8 @@ def summarize_run(run_dir: Path, window: int = WINDOW, limit: int | None = None)
         "wall_s": int(wall.read_text()) if wall.is_file() else None,
         "reward_first": sum(rewards[:window]) / len(rewards[:window]),
         "reward_last": sum(rewards[-window:]) / len(rewards[-window:]),
-        "reward_ma_best": max(ma),
-        "collapse_step": collapse_step(ma),
+        "reward_ma_best": max(ma[full:]),
+        "collapse_step": collapse_step(ma, full),
         "is_peak_over_median_max": max((m["is/peak_over_median"] for m in taken), default=None),
         "is_ess_min": min((m["is/ess"] for m in taken), default=None),
         "mismatch_kl_max": max((m["is/mismatch_kl"] for m in taken), default=None),
