@@ -97,7 +97,8 @@ def run_rzero(args, max_lag: int) -> dict:
                 "temperature": args.temperature,
             },
             "train": {"steps": args.steps, "lr": LR, "grad_clip": 1.0},
-            "run": {"seed": args.seed, "tensorboard": False, "checkpoint_every": 10**9},
+            # the thread count asked for, not run.threads' choice by model size
+            "run": {"seed": args.seed, "tensorboard": False, "checkpoint_every": 10**9, "threads": args.threads},
         }
     )
     stamps: list[float] = []

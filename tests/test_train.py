@@ -143,3 +143,29 @@ def test_engines_in_another_dtype_show_the_kernel_mismatch(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["lag/max"] == 0 and m["mismatch/lag_max_abs"] == 0.0 for m in rows)
     assert all(m["mismatch/kernel_max_abs"] > 1e-4 and m["is/peak"] != 1.0 for m in rows)
+
+
+def test_run_threads_by_model_size_and_restored_after_train(tmp_path, monkeypatch):
+    """run.threads = 0 gives tiny models one intra-op thread (a second one only costs fork/join
+    there), larger models PyTorch's default; an explicit count wins; the caller's count is back
+    after train(), also when it ran on another."""
+    import torch
+
+    from rzero.run import loop
+
+    assert loop.run_threads(small_config(tmp_path)) == 1  # tiny-dense: hidden 128
+    assert loop.run_threads(small_config(tmp_path, "run.threads=3")) == 3
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({"hidden_size": 1024}))
+    assert loop.run_threads(small_config(tmp_path, f'model.path="{big}"')) == torch.get_num_threads()
+
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda config, run_dir, **kw: seen.append(torch.get_num_threads()) or run_dir)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loop.train(small_config(tmp_path), tmp_path / "run")
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -30,7 +30,7 @@ from rzero.config import RunConfig, config_to_toml, load_config
 from rzero.envs import make_env as build_env
 from rzero.files import atomic_write_text
 from rzero.model.io import load_model, parse_dtype, read_tokenizer_files, save_model
-from rzero.model.presets import init_model
+from rzero.model.presets import PRESETS, init_model
 from rzero.model.tokenizer import load_tokenizer
 from rzero.run.backends import EngineFactory, check_backend, make_backend
 from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
@@ -93,7 +93,35 @@ def _steps_to_replay(config: RunConfig, record: RolloutRecord, start_step: int, 
     return replayed
 
 
-def train(
+SMALL_MODEL_HIDDEN = 1024  # below it, run.threads = 0 means one intra-op thread
+
+
+def run_threads(config: RunConfig) -> int:
+    """The torch intra-op thread count for this run (`run.threads`, 0: by model size)."""
+    if config.run.threads:
+        return config.run.threads
+    if config.model.path:
+        model_config = Path(config.model.path) / "config.json"
+        if not model_config.is_file():
+            return torch.get_num_threads()  # loading the model names the problem
+        hidden = json.loads(model_config.read_text()).get("hidden_size", SMALL_MODEL_HIDDEN)
+    else:
+        hidden = PRESETS[config.model.preset][1].hidden_size
+    return 1 if hidden < SMALL_MODEL_HIDDEN else torch.get_num_threads()
+
+
+def train(config: RunConfig, run_dir: Path, **kwargs) -> Path:
+    """Run (or resume) RL training into run_dir on `run_threads(config)` torch threads (the
+    caller's count is restored afterwards); the arguments are `_train`'s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(run_threads(config))
+    try:
+        return _train(config, run_dir, **kwargs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(
     config: RunConfig,
     run_dir: Path,
     *,
