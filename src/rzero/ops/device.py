@@ -6,6 +6,9 @@ says why, never a quiet run on the CPU.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 DEVICE_NAMES = ("cpu", "cuda", "auto")
@@ -34,3 +37,25 @@ def resolve_device(name: str | torch.device) -> torch.device:
         torch.backends.cudnn.allow_tf32 = False
         return device
     raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_NAMES)} (or cuda:N)")
+
+
+# Below this hidden size, one intra-op thread by default: every op is small, and a second OpenMP
+# thread costs more in fork/join and spinning than it gains (the default job: 147 s on 2 threads,
+# 77 s on 1; docs/benchmarks.md). Async runs still use two cores: engine and trainer threads.
+SMALL_MODEL_HIDDEN = 1024
+
+
+def cpu_threads(hidden_size: int, requested: int = 0) -> int:
+    """Torch intra-op threads to run a model of this hidden size with: `requested`, or for 0 one
+    below SMALL_MODEL_HIDDEN and PyTorch's current count (one per core by default) above it."""
+    if requested:
+        return requested
+    return 1 if hidden_size < SMALL_MODEL_HIDDEN else torch.get_num_threads()
+
+
+def model_dir_threads(model_dir: str | Path, requested: int = 0) -> int:
+    """`cpu_threads` for a Hugging Face model directory (PyTorch's count if its config.json is
+    missing or names no hidden size: loading the model then says what is wrong)."""
+    config = Path(model_dir) / "config.json"
+    hidden = json.loads(config.read_text()).get("hidden_size", SMALL_MODEL_HIDDEN) if config.is_file() else SMALL_MODEL_HIDDEN
+    return cpu_threads(hidden, requested)

@@ -32,6 +32,7 @@ from rzero.files import atomic_write_text
 from rzero.model.io import load_model, parse_dtype, read_tokenizer_files, save_model
 from rzero.model.presets import PRESETS, init_model
 from rzero.model.tokenizer import load_tokenizer
+from rzero.ops.device import cpu_threads, model_dir_threads
 from rzero.run.backends import EngineFactory, check_backend, make_backend
 from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
 from rzero.run.cluster import cpus_needed, needs_ray, open_cluster
@@ -93,21 +94,11 @@ def _steps_to_replay(config: RunConfig, record: RolloutRecord, start_step: int, 
     return replayed
 
 
-SMALL_MODEL_HIDDEN = 1024  # below it, run.threads = 0 means one intra-op thread
-
-
 def run_threads(config: RunConfig) -> int:
     """The torch intra-op thread count for this run (`run.threads`, 0: by model size)."""
-    if config.run.threads:
-        return config.run.threads
     if config.model.path:
-        model_config = Path(config.model.path) / "config.json"
-        if not model_config.is_file():
-            return torch.get_num_threads()  # loading the model names the problem
-        hidden = json.loads(model_config.read_text()).get("hidden_size", SMALL_MODEL_HIDDEN)
-    else:
-        hidden = PRESETS[config.model.preset][1].hidden_size
-    return 1 if hidden < SMALL_MODEL_HIDDEN else torch.get_num_threads()
+        return model_dir_threads(config.model.path, config.run.threads)
+    return cpu_threads(PRESETS[config.model.preset][1].hidden_size, config.run.threads)
 
 
 def train(config: RunConfig, run_dir: Path, **kwargs) -> Path:

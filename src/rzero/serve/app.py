@@ -7,6 +7,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rzero.engine import Engine
+from rzero.ops.device import model_dir_threads
 from rzero.serve.chat import create_chat_completion
 from rzero.serve.chat_template import ChatTemplate
 from rzero.serve.completions import create_completion
@@ -145,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
 
     if not Path(args.model).is_dir():  # else the first file looked for would be named as missing
         raise FileNotFoundError(f"{args.model}: no such model directory")
+    torch.set_num_threads(model_dir_threads(args.model, args.threads))
     engine = Engine(
         args.model,
         numerics=args.numerics,
