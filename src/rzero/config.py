@@ -183,10 +183,8 @@ class RunSection(Section):
     # rollouts.jsonl: what each step trained on, for `rzero train --replay` and exact resume
     # (rzero.run.record; docs/design.md gives its size per step).
     record_rollouts: bool = True
-    # Torch intra-op threads of the run's process. 0: one thread for models with a hidden size
-    # below 1024, else PyTorch's default (one per core). On tiny models a second OpenMP thread
-    # costs more in fork/join than it gains: the default job took 147 s on 2 threads, 81 s on 1
-    # (docs/benchmarks.md). Async runs still use two cores: engine and trainer are two threads.
+    # Torch intra-op threads of the run's process. 0: by model size, one below hidden size 1024
+    # (faster on tiny models) else PyTorch's default (rzero.ops.device.cpu_threads).
     threads: int = Field(0, ge=0)
 
 
