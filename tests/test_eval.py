@@ -365,3 +365,23 @@ def test_same_seed_same_results_any_batching_other_seed_other_samples(tiny_run, 
     assert [len(texts) for texts in limited.values()] == [2] * 5
     # Random gibberish from another seed: equal only by a fluke (say both stop at once).
     assert sum(a != b for name, texts in limited.items() for a, b in zip(texts, full[name])) >= 8
+
+
+def test_eval_cli_gives_the_caller_its_thread_count_back(tmp_path):
+    """`rzero eval` runs a tiny model on one intra-op thread (--threads 0) and, called in-process,
+    leaves the caller's thread count as it was."""
+    import torch
+
+    from rzero.cli import main
+    from rzero.model.presets import init_model
+
+    model = init_model("tiny-dense", tmp_path / "m")
+    suite = tmp_path / "suite.toml"
+    suite.write_text('[[benchmarks]]\nname = "a"\ntask = "arithmetic"\nnum_tasks = 2\n')
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["eval", "--model", str(model), "--suite", str(suite), "--max-tokens", "2"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

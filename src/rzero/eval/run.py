@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import (
@@ -29,7 +28,7 @@ from rzero.eval.metrics import Problem, Sample, average_metrics, benchmark_metri
 from rzero.eval.report import results_table, write_results
 from rzero.eval.suite import BenchmarkPlan, Sampling, load_suite
 from rzero.ops import resolve_device
-from rzero.ops.device import model_dir_threads
+from rzero.ops.device import intra_op_threads, model_dir_threads
 from rzero.rollout.episodes import AsyncLoop, Episode, EpisodeRunner
 
 
@@ -129,13 +128,13 @@ def main(args) -> int:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json)")
     device = resolve_device(getattr(args, "device", "cpu"))  # a clear error before the model loads
-    torch.set_num_threads(model_dir_threads(model_dir, args.threads))
     # A model directory loads on the CPU by default: name the device only when it is another one.
     placement = {} if device.type == "cpu" else {"device": device}
-    engine = Engine(
-        model_dir, numerics=args.numerics, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed, **placement
-    )
-    results = evaluate(engine, plans, args.seed)
+    with intra_op_threads(model_dir_threads(model_dir, args.threads)):
+        engine = Engine(
+            model_dir, numerics=args.numerics, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed, **placement
+        )
+        results = evaluate(engine, plans, args.seed)
     average = average_metrics([r.metrics for r in results])
     config = {
         "model": str(model_dir),

@@ -6,7 +6,9 @@ says why, never a quiet run on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -59,3 +61,14 @@ def model_dir_threads(model_dir: str | Path, requested: int = 0) -> int:
     config = Path(model_dir) / "config.json"
     hidden = json.loads(config.read_text()).get("hidden_size", SMALL_MODEL_HIDDEN) if config.is_file() else SMALL_MODEL_HIDDEN
     return cpu_threads(hidden, requested)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """Run the block on this many torch intra-op threads, then give the caller back its count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

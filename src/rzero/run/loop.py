@@ -32,7 +32,7 @@ from rzero.files import atomic_write_text
 from rzero.model.io import load_model, parse_dtype, read_tokenizer_files, save_model
 from rzero.model.presets import PRESETS, init_model
 from rzero.model.tokenizer import load_tokenizer
-from rzero.ops.device import cpu_threads, model_dir_threads
+from rzero.ops.device import cpu_threads, intra_op_threads, model_dir_threads
 from rzero.run.backends import EngineFactory, check_backend, make_backend
 from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
 from rzero.run.cluster import cpus_needed, needs_ray, open_cluster
@@ -104,12 +104,8 @@ def run_threads(config: RunConfig) -> int:
 def train(config: RunConfig, run_dir: Path, **kwargs) -> Path:
     """Run (or resume) RL training into run_dir on `run_threads(config)` torch threads (the
     caller's count is restored afterwards); the arguments are `_train`'s."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(run_threads(config))
-    try:
+    with intra_op_threads(run_threads(config)):
         return _train(config, run_dir, **kwargs)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _train(

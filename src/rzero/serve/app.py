@@ -7,7 +7,6 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -15,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rzero.engine import Engine
-from rzero.ops.device import model_dir_threads
+from rzero.ops.device import intra_op_threads, model_dir_threads
 from rzero.serve.chat import create_chat_completion
 from rzero.serve.chat_template import ChatTemplate
 from rzero.serve.completions import create_completion
@@ -147,15 +146,15 @@ def main(args: argparse.Namespace) -> int:
 
     if not Path(args.model).is_dir():  # else the first file looked for would be named as missing
         raise FileNotFoundError(f"{args.model}: no such model directory")
-    torch.set_num_threads(model_dir_threads(args.model, args.threads))
-    engine = Engine(
-        args.model,
-        numerics=args.numerics,
-        device=args.device,
-        dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
-    )
-    name = args.served_model_name or Path(args.model).resolve().name
-    app = build_app(engine, name, ChatTemplate.from_model_dir(args.model), args.max_request_bytes)
-    print(f"serving {name} ({args.numerics} numerics, {args.dtype}, {engine.device}) at http://{args.host}:{args.port}/v1")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    with intra_op_threads(model_dir_threads(args.model, args.threads)):
+        engine = Engine(
+            args.model,
+            numerics=args.numerics,
+            device=args.device,
+            dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
+        )
+        name = args.served_model_name or Path(args.model).resolve().name
+        app = build_app(engine, name, ChatTemplate.from_model_dir(args.model), args.max_request_bytes)
+        print(f"serving {name} ({args.numerics} numerics, {args.dtype}, {engine.device}) at http://{args.host}:{args.port}/v1")
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
