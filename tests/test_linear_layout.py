@@ -10,11 +10,12 @@ import copy
 
 import pytest
 import torch
-from test_ops import PROBE_SHAPES, grouping_probe
+from test_ops import PROBE_SHAPES
 
 from rzero import ops
 from rzero.model.presets import PRESETS
 from rzero.ops import AttentionMeta, invariant
+from rzero.ops.invariant import grouping_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (K, [N of each packed projection]): tiny presets' q/k/v and gate/up, a Qwen3-0.6B layer's, and
