@@ -192,7 +192,7 @@ SCRIPT = textwrap.dedent("""
     threading.Thread(target=lambda: pool.check("1", sys.argv[1], float(sys.argv[2])), daemon=True).start()
     time.sleep(0.5)
     print("busy", flush=True)
-    time.sleep(float(sys.argv[3]))
+    sys.stdin.readline()  # the test checks the workers first, then lets the script end (or kills it)
 """)
 
 
@@ -206,7 +206,9 @@ def alive(pid: int) -> bool:
 
 def start_script(*args: str) -> tuple[subprocess.Popen, list[int]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, *args], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert proc.stdout.readline() == "busy\n" and pids and all(alive(p) for p in pids)
     return proc, pids
@@ -220,7 +222,9 @@ def wait_gone(pids: list[int], within_s: float) -> bool:
 
 
 def test_workers_end_with_a_normal_exit():
-    proc, pids = start_script(TOWER, "60", "0")  # exits while a worker computes the tower
+    proc, pids = start_script(TOWER, "60")
+    proc.stdin.write("exit\n")  # the script ends while a worker computes the tower
+    proc.stdin.flush()
     start = time.perf_counter()
     assert proc.wait(timeout=30) == 0
     assert time.perf_counter() - start < 10  # no hang at interpreter exit
@@ -228,7 +232,7 @@ def test_workers_end_with_a_normal_exit():
 
 
 def test_workers_end_when_their_process_is_killed():
-    proc, pids = start_script(TOWER, str(TIMEOUT_S), "60")
+    proc, pids = start_script(TOWER, str(TIMEOUT_S))
     proc.kill()  # no atexit: the idle worker reads EOF, the busy one hits its CPU-time limit
     proc.wait()
     assert wait_gone(pids, 15)
