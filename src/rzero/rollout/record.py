@@ -41,7 +41,11 @@ class Rollout:
         return sum(1 for i, m in enumerate(self.mask) if m and (i == 0 or not self.mask[i - 1]))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as JSON-ready values. The token lists are shared, not copied (dataclasses.asdict
+        deep-copies every list: ~10 ms a step for the default job's 128 rollouts)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["transform"] = asdict(self.transform)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Rollout:

@@ -97,8 +97,9 @@ class Trainer:
         self.master.numerics = self.numerics
         self.compute = self.master if dtype == torch.float32 else copy.deepcopy(self.master).to(dtype)
         self.compute.gradient_checkpointing = settings.gradient_checkpointing
+        # fused: one kernel over every parameter, ~3x faster than the per-tensor loop on a tiny model
         self.optimizer = torch.optim.AdamW(
-            self.master.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+            self.master.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, fused=True
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
