@@ -25,7 +25,9 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   along the row) ignores the exact zeros they become. probs @ V runs in fixed blocks of
   ATTN_BLOCK keys aligned at position 0 (fixed-shape GEMMs), folded left to right with baddbmm_;
   blocks past a query add exact zeros. Prefill, decode and chunked prefill therefore run the same
-  arithmetic for a given query. Cache slots past a sequence's length must hold finite values.
+  arithmetic for a given query, and a long prefill may score each block of 16 query positions
+  against only the keys it can see (what a chunked prefill does), skipping the masked half.
+  Cache slots past a sequence's length must hold finite values.
   Only the forward is invariant; the backward is plain softmax-attention math (gradients need to
   be right, not batch-invariant).
 """
@@ -241,6 +243,14 @@ class _AttentionPlan:
         q_pos = meta.q_positions[:, :slots].view(batch, 1, slots, 1, 1).expand(batch, 1, slots, group, 1)
         future = torch.arange(self.keys).view(1, 1, 1, -1) > q_pos.reshape(batch, 1, self.rows, 1)
         self.bias = torch.zeros(future.shape).masked_fill_(future, float("-inf"))
+        # Causal row blocks: the rows of query slots [16j, 16j + 16) are scored against only the
+        # keys up to the block's last position (in every sequence), as a chunked prefill would be.
+        # The key blocks skipped are wholly masked: exact zeros that change no bit.
+        last_ctx = max(meta.ctx_lens)
+        self.row_blocks = [
+            (start * group, min(slots, start + block) * group, min(self.keys, -(-(last_ctx + start + block) // block) * block))
+            for start in range(0, slots, block)
+        ]
         # Row of the (B * Hkv * rows, D) output for every (token, head) of the flat batch.
         seq, slot = meta.out_index // max_q, meta.out_index % max_q
         head = torch.arange(num_heads)
@@ -256,8 +266,8 @@ class _AttentionPlan:
         return plans[key]
 
 
-def _attention_forward(q, k_cache, v_cache, plan: _AttentionPlan, scale: float):
-    """The invariant forward in fp32: returns (output rows, and what the backward needs)."""
+def _attention_forward(q, k_cache, v_cache, plan: _AttentionPlan, scale: float, keep_probs: bool = False):
+    """The invariant forward in fp32: returns (output rows, and what the backward needs if asked)."""
     head_dim, block = q.shape[-1], k_cache.shape[1]
     bh, rows, keys = plan.batch_heads, plan.rows, plan.keys
     # Gathers straight into matmul layout: one copy each, no broadcast or permute copies.
@@ -265,10 +275,29 @@ def _attention_forward(q, k_cache, v_cache, plan: _AttentionPlan, scale: float):
     qb = q.reshape(-1, head_dim).index_select(0, plan.q_rows).float().mul_(scale).view(bh, rows, head_dim)
     kb = k_cache.reshape(-1, head_dim).index_select(0, plan.kv_rows).float().view(bh, keys, head_dim)
     vb = v_cache.reshape(-1, head_dim).index_select(0, plan.kv_rows).float().view(bh, keys, head_dim)
+    bias = plan.bias  # (B, 1, rows, keys)
+    if len(plan.row_blocks) == 1:
+        out, probs = _attention_block(qb, kb, vb, bias, block)
+        return out, ((qb, kb, vb, probs) if keep_probs else None)
+    out = qb.new_empty(bh, rows, head_dim)
+    probs = qb.new_zeros(bh, rows, keys) if keep_probs else None  # masked keys: exact zeros, as unsplit
+    for r0, r1, visible in plan.row_blocks:
+        out[:, r0:r1], block_probs = _attention_block(
+            qb[:, r0:r1], kb[:, :visible], vb[:, :visible], bias[:, :, r0:r1, :visible], block
+        )
+        if keep_probs:
+            probs[:, r0:r1, :visible] = block_probs
+    return out, ((qb, kb, vb, probs) if keep_probs else None)
+
+
+def _attention_block(qb, kb, vb, bias, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query rows qb (B*Hkv, rows, D) over keys kb and values vb (B*Hkv, keys, D),
+    with the additive causal bias (B, 1, rows, keys): (output, probs)."""
+    rows, keys = qb.shape[1], kb.shape[1]
     # Scores in one GEMM per (sequence, KV head): element (r, c) is a length-D dot product whose
     # bits do not depend on the row count (a multiple of 4) or the key count (a multiple of 16).
     scores = torch.bmm(qb, kb.transpose(1, 2))
-    scores.view(plan.bias.shape[0], -1, rows, keys).add_(plan.bias)  # (B, Hkv, rows, L)
+    scores.view(bias.shape[0], -1, rows, keys).add_(bias)  # (B, Hkv, rows, keys)
     # Row softmax: exact max, vectorised exp, and a sequential vector sum along the row, so the keys
     # past a query's position (exact zeros after exp) leave its bits unchanged.
     probs = torch.softmax(scores, dim=-1)
@@ -277,7 +306,7 @@ def _attention_forward(q, k_cache, v_cache, plan: _AttentionPlan, scale: float):
     out = torch.bmm(probs[:, :, :block], vb[:, :block])
     for start in range(block, keys, block):
         out.baddbmm_(probs[:, :, start : start + block], vb[:, start : start + block])
-    return out, (qb, kb, vb, probs)
+    return out, probs
 
 
 class _Attention(torch.autograd.Function):
@@ -286,7 +315,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, plan, scale):
-        out, saved = _attention_forward(q, k_cache, v_cache, plan, scale)
+        out, saved = _attention_forward(q, k_cache, v_cache, plan, scale, keep_probs=True)
         ctx.plan, ctx.scale, ctx.shapes = plan, scale, (q.shape, q.dtype, k_cache.shape, k_cache.dtype)
         ctx.save_for_backward(out, *saved)
         return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
