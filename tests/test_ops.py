@@ -681,6 +681,21 @@ def test_sample_tokens_depend_only_on_row_seed():
     assert int(INVARIANT.sample_tokens(target[None], [True], [None])[0]) == int(target.argmax())
 
 
+def test_first_max_is_argmax_with_ties_and_nan():
+    """The sampler's max(dim).indices picks what torch.argmax picks: the first maximum, and a NaN
+    as the maximum; on rows with many ties, large vocabularies and strided rows."""
+    from rzero.ops.sampling import _first_max
+
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (1, 7, 1024, 151936):
+        x = torch.randint(0, 3, (9, vocab), generator=gen).float()  # ties everywhere
+        x[2] = -torch.inf
+        x[3, vocab // 2 :] = torch.nan
+        x[4, torch.rand(vocab, generator=gen) < 0.01] = torch.nan
+        for rows in (x, x[:, vocab // 3 :], x[::2]):
+            assert torch.equal(_first_max(rows), rows.argmax(-1)), vocab
+
+
 @pytest.mark.parametrize("vocab", [1000, 1024, 64 * 37, 32768, 151936])
 def test_sample_tokens_batched_logs_give_each_row_its_own_bits(vocab):
     """The Gumbel noise's logs run on chunks of whole rows (sampling._log_chunks); every element

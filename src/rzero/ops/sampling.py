@@ -91,11 +91,12 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     # Only the draws and the two logs run per row (the logs stay per row so that their bits never
     # depend on the batch: a vectorised transcendental's tail elements depend on the tensor size);
     # clamp, negation, subtraction and argmax are exact, so they run once on all the rows.
-    # torch.argmax returns the first maximum, for a batch as for a single row.
-    tokens = torch.argmax(logprobs, dim=-1)  # greedy rows
+    # The first maximum of each row, for a batch as for a single row: max(dim).indices, which on
+    # the CPU is ~3x faster than argmax over a large vocabulary and picks the same index
+    # (tests/test_ops.py checks ties and NaN).
     sampled = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
     if not sampled:
-        return tokens
+        return _first_max(logprobs)
     # The noise is drawn and transformed on the CPU whatever the device: the per-request CPU
     # generators then give a request the same tokens on every device.
     noise = torch.empty(len(sampled), logprobs.shape[-1])
@@ -110,6 +111,12 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     if noise.device != logprobs.device:  # a no-op .to() is still an aten op under inference_mode
         noise = noise.to(logprobs.device)
     if len(sampled) == len(greedy):
-        return torch.argmax(logprobs - noise, dim=-1)
-    tokens[sampled] = torch.argmax(logprobs[sampled] - noise, dim=-1)
+        return _first_max(logprobs - noise)
+    tokens = _first_max(logprobs)  # the greedy rows
+    tokens[sampled] = _first_max(logprobs[sampled] - noise)
     return tokens
+
+
+def _first_max(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row (a NaN counts as the maximum, as in torch.argmax)."""
+    return x.max(dim=-1).indices
