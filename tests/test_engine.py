@@ -779,3 +779,31 @@ def test_top_logprobs_change_nothing_else(model_dir):
             assert len(top) == (3 if rid == "top-k" else 5) and values == sorted(values, reverse=True)
             assert (token, logprob) in top
     assert all(top[0][0] == token for token, top in zip(with_top["greedy"].token_ids, with_top["greedy"].top_logprobs))
+
+
+
+def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update():
+    """At hidden size 1024 (a 0.6B model's K) the engine's decode linears run on prepacked weights
+    (`invariant.prepack_proven`) and the trainer's on mm tiles: each behaviour logprob must still be
+    the trainer's at its token's version, across an in-place weight update that repacks them."""
+    from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+    from rzero.ops import invariant
+
+    config = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True)
+    v0 = Qwen3ForCausalLM(config)
+    v0.init_weights(3)
+    v0 = v0.to(torch.bfloat16)
+    v1 = perturbed_model(v0, seed=4)
+    engine = Engine(copy.deepcopy(v0), numerics="invariant", dtype="bf16", num_kv_blocks=32, eos_token_ids=[])
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 50)), [3]]
+    arrivals = [(i, prompt, params, f"r{i}") for i, prompt in enumerate(prompts)]
+    outputs, _ = run_to_completion(engine, arrivals, updates=[(5, v1.state_dict(), 1)])
+    if invariant.prepack_proven(1024, 1536, torch.get_num_threads()):  # the packed q/k/v shape
+        assert any(id(w) in invariant._PREPACKED for w in [engine.model.lm_head.weight])
+    ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
+    assert all(len(set(o.versions)) == 2 for o in ordered[:2])  # both versions sampled in one request
+    by_version = {v: teacher_forced(m, ordered, [params.transform] * len(ordered)) for v, m in ((0, v0), (1, v1))}
+    for i, out in enumerate(ordered):
+        assert out.logprobs == [by_version[v][i][t] for t, v in enumerate(out.versions)], out.request_id

@@ -150,3 +150,41 @@ def test_fp32_linear_one_tile_vs_many_at_k1024_two_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, in_batch)
+
+
+def test_prepacked_decode_linear_keeps_the_bits_and_follows_weight_loads(monkeypatch):
+    """Decode-size inputs on a K = 1024 bf16 weight run on oneDNN's prepacked copy where the probe
+    proves it (`invariant.prepack_proven`): the 16-row mm tiles' bits, a copy rebuilt after an
+    in-place load, none where a gradient is wanted. Negative control: a prepacked GEMM that
+    gives other bits is refused by the probe, and the linear keeps the mm tiles' bits."""
+    K, N = 1024, 3072
+    x, weight = grouping_probe(48, K, N, seed=17)
+    _, other = grouping_probe(1, K, N, seed=18)
+    threads = torch.get_num_threads()
+
+    def mm_tiles(w):
+        return torch.cat([t @ w.t() for t in x.split(16)])
+
+    invariant.prepack_proven.cache_clear()
+    try:
+        proven = invariant.prepack_proven(K, N, threads)
+        assert torch.equal(ops.INVARIANT.linear(x, weight), mm_tiles(weight))
+        assert (id(weight) in invariant._PREPACKED) == proven
+        with torch.no_grad():
+            weight.copy_(other)  # an engine weight update
+        assert torch.equal(ops.INVARIANT.linear(x, weight), mm_tiles(other))
+        trained = other.clone().requires_grad_()
+        ops.INVARIANT.linear(x, trained).float().sum().backward()  # the trainer's path
+        assert id(trained) not in invariant._PREPACKED and trained.grad is not None
+
+        def off_by_one(a, packed):  # any other bits than the mm tiles'
+            return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "") + 1
+
+        monkeypatch.setattr(invariant, "_onednn_tile", off_by_one)
+        invariant.prepack_proven.cache_clear()
+        assert not invariant.prepack_proven(K, N, threads)
+        fresh = other.clone()
+        assert torch.equal(ops.INVARIANT.linear(x, fresh), mm_tiles(other))
+        assert id(fresh) not in invariant._PREPACKED
+    finally:
+        invariant.prepack_proven.cache_clear()

@@ -332,7 +332,7 @@ def reference_attention(seq: Seq) -> torch.Tensor:
 attn_shapes = st.tuples(
     st.sampled_from([1, 2, 4]),  # GQA group
     st.sampled_from([1, 2]),  # kv heads
-    st.sampled_from([16, 32, 64]),  # head_dim
+    st.sampled_from([16, 32, 64, 128]),  # head_dim (128: Qwen3's)
     st.sampled_from(["fp32", "bf16"]),
 )
 
@@ -429,6 +429,22 @@ def test_invariant_attention_continuous_batching(data, shape):
         run.step(chunks)
     for i in range(n):
         assert_same(solos[i], run.out[i], f"sequence {i}")
+
+
+def test_score_rows_follow_the_head_dim():
+    """The attention-score GEMM's row tile is probed per head_dim (`invariant.score_rows`). Negative
+    control: where it is above 4, a 4-row fp32 GEMM really gives some score other bits than the
+    same rows among more, which is what broke decode vs prefill at head_dim 128 with 4-row tiles."""
+    from rzero.ops.invariant import score_rows
+
+    threads = torch.get_num_threads()
+    tiles = {d: score_rows(d, threads) for d in (16, 32, 64, 128)}
+    assert set(tiles.values()) <= {4, 8, 16}, tiles
+    for d, tile in tiles.items():
+        if tile > 4:
+            gen = torch.Generator().manual_seed(d)
+            q, k = torch.randn(tile, d, generator=gen), torch.randn(16, d, generator=gen)
+            assert not torch.equal(q[:4] @ k.t(), (q @ k.t())[:4]), d
 
 
 def test_standard_attention_prefill_vs_decode_differs():

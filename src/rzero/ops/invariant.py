@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from rzero.ops.attention_meta import ATTN_BLOCK, Q_TILE, AttentionMeta
+from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
 
 ROW_TILE = 16
 ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
@@ -51,6 +52,12 @@ TILE_LOOP_MIN = 1 << 17
 BMM_CHUNK = 32
 # Row tiles for many rows, each kept only where a probe proves it gives ROW_TILE's bits (big_tiles).
 BIG_TILES = (1024, 512, 256, 128, 64)  # largest first
+# Decode batches on bf16 weights with K >= PREPACK_MIN_K (a 0.6B model's, not the tiny presets'):
+# each 16-row tile's mm repacks the whole weight for AMX, while oneDNN's prepacked linear packs it
+# once per weight version and runs the same (16, K) x (K, N) problem about 2x faster. It is used
+# for a weight shape only where a grouping probe proves it gives the mm tiles' bits (on this
+# machine: K = 1024, not K = 2048 or 3072), and only where no gradient is wanted.
+PREPACK_MIN_K = 1024
 
 
 def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -139,11 +146,62 @@ def big_tiles(K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int)
     return tuple(kept)
 
 
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _onednn_tile(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@functools.lru_cache(maxsize=None)
+def prepack_proven(K: int, N: int, threads: int) -> bool:
+    """Whether oneDNN's prepacked bf16 linear gives a (K, N) weight's 16-row tiles exactly the mm
+    tiles' bits on this many threads (the grouping probe of `big_tiles`, run once per shape)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    x, weight = grouping_probe(4 * ROW_TILE, K, N, seed=K * 7907 + N)
+    reference = _small_tiles(x, weight.t().contiguous())
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROW_TILE)
+    return torch.equal(torch.cat([_onednn_tile(t, packed) for t in x.split(ROW_TILE)]), reference)
+
+
+# id(weight) -> (weakref to it, its version and data pointer when packed, the packed copy). Kept
+# beside the weight, not on it: the packed copy is an opaque oneDNN tensor that cannot be copied.
+_PREPACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def _prepacked(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's oneDNN-packed copy: built on first use, again whenever the weight changes (an
+    in-place load moves its version counter), dropped with the weight. None for a tensor that has
+    no version counter (made under inference mode)."""
+    try:
+        version = weight._version
+    except RuntimeError:
+        return None
+    key = id(weight)
+    entry = _PREPACKED.get(key)
+    if entry is None or entry[0]() is not weight or entry[1:3] != (version, weight.data_ptr()):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROW_TILE)
+        ref = weakref.ref(weight, lambda _, key=key: _PREPACKED.pop(key, None))
+        entry = _PREPACKED[key] = (ref, version, weight.data_ptr(), packed)
+    return entry[3]
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = False) -> torch.Tensor:
+    """`may_prepack`: no gradient is wanted (the engine, scoring), so decode-size inputs may use a
+    prepacked copy of the weight; a weight in training changes every step and is never packed."""
     x2, rows = _pad_rows(x)
     wt = gemm_operand(weight)
     sizes = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads()) if len(x2) >= BIG_TILES[-1] else ()
+    sizes = [size for size in sizes if size <= len(x2)]
     if not sizes:  # decode batches and small weights' short inputs: 16-row tiles only
+        if (
+            may_prepack
+            and wt.dtype == torch.bfloat16
+            and wt.shape[0] >= PREPACK_MIN_K
+            and prepack_proven(*wt.shape, torch.get_num_threads())
+        ):
+            packed = _prepacked(weight)
+            if packed is not None:
+                out = torch.cat([_onednn_tile(tile, packed) for tile in x2.split(ROW_TILE)])
+                return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
         return _small_tiles(x2, wt)[:rows].reshape(*x.shape[:-1], weight.shape[0])
     # Bulk rows in the largest proven tiles (one mm each), the rest in ROW_TILE tiles: every row
     # gets a ROW_TILE tile's bits whichever tile it lands in.
@@ -183,7 +241,7 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Linear.apply(x, weight)
-    return _linear_forward(x, weight)
+    return _linear_forward(x, weight, may_prepack=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -215,24 +273,52 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(flat)[:n].reshape(gate.shape) * up
 
 
+@functools.lru_cache(maxsize=None)
+def score_rows(head_dim: int, threads: int) -> int:
+    """Rows per (sequence, KV head) attention-score GEMM, a multiple of which every such GEMM has:
+    the fewest of 4, 8 and 16 from which this machine's fp32 bmm gives a score the same bits
+    whatever the row count, the key count (multiples of ATTN_BLOCK), the batch and the row's place
+    in it. It depends on head_dim: here 4 rows suffice up to 64, while at 128 a 4-row GEMM takes
+    another kernel than an 8-row one (tests/test_ops.py). Probed once per head_dim and thread count."""
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k = torch.randn(64, head_dim, generator=gen), torch.randn(256, head_dim, generator=gen)
+    for tile in (4, 8, 16):
+        reference = q[:tile] @ k[:ATTN_BLOCK].t()
+
+        def same(shift: int, rows: int, keys: int, batch: int) -> bool:
+            qq = torch.cat((torch.zeros(shift, head_dim), q))[:rows].expand(batch, rows, head_dim).contiguous()
+            kk = k[:keys].expand(batch, keys, head_dim).contiguous()
+            return torch.equal(torch.bmm(qq, kk.transpose(1, 2))[-1, shift : shift + tile, :ATTN_BLOCK], reference)
+
+        cases = [(0, tile * m, keys, 1) for m in (1, 2, 3, 64 // tile) for keys in (16, 48, 256)]
+        cases += [(shift, tile * 4, 64, batch) for shift in (1, tile // 2 + 1, tile) for batch in (1, 8)]
+        if all(same(*case) for case in cases):
+            return tile
+    raise RuntimeError(f"invariant attention: no row tile of 4, 8 or 16 gives head_dim {head_dim} fixed bits on this CPU")
+
+
 class _AttentionPlan:
     """Index tensors for one AttentionMeta and head layout, built once per forward pass (the meta
     is shared by every layer) and cached on the meta object."""
 
-    def __init__(self, meta: AttentionMeta, num_heads: int, num_kv_heads: int, block: int):
+    def __init__(self, meta: AttentionMeta, num_heads: int, num_kv_heads: int, block: int, head_dim: int):
         group = num_heads // num_kv_heads
         batch, max_q = meta.q_index.shape
         n_blocks = meta.block_tables.shape[1]
-        # Fewest query slots per sequence that still make group * slots a multiple of Q_TILE (4):
-        # decode needs one slot, not the meta's four, and the fixed-shape matmul guarantee holds.
-        step = Q_TILE // math.gcd(group, Q_TILE)
+        # Fewest query slots per sequence that still make group * slots a multiple of the score
+        # GEMM's row tile (`score_rows`): decode needs one slot, and the fixed-shape guarantee holds.
+        q_tile = score_rows(head_dim, torch.get_num_threads())
+        step = q_tile // math.gcd(group, q_tile)
         slots = -(-max(meta.q_lens) // step) * step
+        q_index, q_positions = meta.q_index, meta.q_positions
+        if slots > max_q:  # more padding slots than the meta has: they repeat row 0, at position 0
+            q_index, q_positions = F.pad(q_index, (0, slots - max_q)), F.pad(q_positions, (0, slots - max_q))
         self.rows = group * slots  # matmul rows per (sequence, KV head): query slot-major, then group
         self.keys = n_blocks * block
         self.batch_heads = batch * num_kv_heads
         heads = torch.arange(num_heads).view(1, num_kv_heads, 1, group)
         # Row of q.view(-1, D) for every (sequence, KV head, slot, group member).
-        q_index = meta.q_index[:, :slots].reshape(batch, 1, slots, 1)
+        q_index = q_index[:, :slots].reshape(batch, 1, slots, 1)
         self.q_rows = (q_index * num_heads + heads).reshape(-1)
         # Row of cache.view(-1, D) for every (sequence, KV head, key position).
         cache_slot = meta.block_tables.view(batch, 1, n_blocks, 1) * block + torch.arange(block).view(1, 1, 1, block)
@@ -240,7 +326,7 @@ class _AttentionPlan:
         self.kv_rows = (cache_slot * num_kv_heads + kv_head).reshape(-1)
         # Causal mask as an additive fp32 bias (0 or -inf, broadcast over KV heads): adding is much
         # faster than a broadcast masked_fill_, exact for the 0s, and -inf for the rest.
-        q_pos = meta.q_positions[:, :slots].view(batch, 1, slots, 1, 1).expand(batch, 1, slots, group, 1)
+        q_pos = q_positions[:, :slots].view(batch, 1, slots, 1, 1).expand(batch, 1, slots, group, 1)
         future = torch.arange(self.keys).view(1, 1, 1, -1) > q_pos.reshape(batch, 1, self.rows, 1)
         self.bias = torch.zeros(future.shape).masked_fill_(future, float("-inf"))
         # Causal row blocks: the rows of query slots [16j, 16j + 16) are scored against only the
@@ -258,11 +344,11 @@ class _AttentionPlan:
         self.out_rows = out_rows.reshape(-1)
 
     @staticmethod
-    def get(meta: AttentionMeta, num_heads: int, num_kv_heads: int, block: int) -> _AttentionPlan:
+    def get(meta: AttentionMeta, num_heads: int, num_kv_heads: int, block: int, head_dim: int) -> _AttentionPlan:
         plans = meta.__dict__.setdefault("_invariant_plans", {})
-        key = (num_heads, num_kv_heads, block)
+        key = (num_heads, num_kv_heads, block, head_dim)
         if key not in plans:
-            plans[key] = _AttentionPlan(meta, num_heads, num_kv_heads, block)
+            plans[key] = _AttentionPlan(meta, num_heads, num_kv_heads, block, head_dim)
         return plans[key]
 
 
@@ -377,7 +463,7 @@ def _buckets(meta: AttentionMeta) -> list[tuple[torch.Tensor, AttentionMeta]] | 
 
 
 def _attention_rows(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
-    plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1])
+    plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.shape[2])
     out, _ = _attention_forward(q, k_cache, v_cache, plan, scale)
     return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
 
@@ -386,7 +472,7 @@ def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
 ) -> torch.Tensor:
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
-        plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1])
+        plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.shape[2])
         return _Attention.apply(q, k_cache, v_cache, plan, scale)
     buckets = _buckets(meta)
     if buckets is None:
