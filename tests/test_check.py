@@ -61,6 +61,25 @@ def test_invariant_numerics_pass_every_check_with_zero_difference(checklist, pre
 
 
 @pytest.mark.slow
+def test_checklist_passes_at_qwen3_head_dim_and_width(tmp_path):
+    """One layer of a Qwen3-0.6B's shape (hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072), bf16:
+    the attention's score tile (8 rows at head_dim 128) and the prepacked decode linears (K = 1024)
+    must keep every check at exactly 0. With 4-row score tiles C3, C4, C6, C7 and C10 failed here."""
+    from rzero.model.io import save_model
+    from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=1024, hidden_size=1024, intermediate_size=3072, num_hidden_layers=1,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config)
+    model.init_weights(0)
+    save_model(model, tmp_path / "wide", dtype="bf16")
+    results = run_checks(tmp_path / "wide", "invariant", "bf16", seed=0)
+    assert [r.max_abs_diff for r in results if r.id != "C8"] == [0.0] * (len(IDS) - 1), [
+        (r.id, r.max_abs_diff) for r in results
+    ]
+
+
+@pytest.mark.slow
 def test_moe_routing_is_compared_on_a_moe_model(checklist):
     c8 = by_id(checklist("tiny-moe", "invariant", "bf16"))["C8"]
     assert c8.passed and c8.max_abs_diff == 0.0

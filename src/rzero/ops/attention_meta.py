@@ -14,8 +14,8 @@ import torch
 # Keys are reduced in blocks of ATTN_BLOCK positions aligned at position 0; the paged KV cache
 # uses the same block size, so a cache block is exactly one attention block.
 ATTN_BLOCK = 16
-# Query rows per sequence are padded to a multiple of this: the CPU matmul kernels give each row
-# the same bits for any row count that is a multiple of 4 (tests/test_ops.py shows it).
+# Query slots per sequence are padded to a multiple of this. The CPU attention pads further where
+# its score GEMM needs more rows for fixed bits (`invariant.score_rows`: 8 at head_dim 128).
 Q_TILE = 4
 
 

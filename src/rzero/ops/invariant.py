@@ -11,17 +11,19 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   tiles run on a row-major weight copy, in bmm chunks or one mm per tile: the same problem and
   bits (tests/test_linear_layout.py), much faster. Many rows (prefill, training) go in bigger
   tiles of 64-1024 rows where a grouping probe run once per weight shape, dtype and thread count
-  proves they give a 16-row tile's bits (`big_tiles`). The backward is plain (F.linear's math).
+  proves they give a 16-row tile's bits (`big_tiles`); decode-size inputs on bf16 weights with
+  K >= 1024 run on a oneDNN-prepacked weight where a probe proves the same bits (`prepack_proven`).
+  The backward is plain (F.linear's math).
 - row reductions (norms, softmax): each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
   padding rows to ROW_TILE rules that out.
 - elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
   in the last bit, and which elements fall in the tail depends on the tensor's total size. We pad
   the flat size to a multiple of ELEMENTWISE_TILE so that no element is ever in a tail.
-- attention (fp32 inside): per (sequence, KV head), the query rows (a multiple of 4) times all
-  keys (a multiple of ATTN_BLOCK) in one GEMM; each score is a length-D dot product whose bits do
-  not depend on the row or key count (fp32 GEMM: any multiple of 4 rows, any multiple of 16
-  columns). Masked keys get -inf, and the row softmax (exact max, vectorised exp, sequential sum
+- attention (fp32 inside): per (sequence, KV head), the query rows (a multiple of the score tile,
+  `score_rows`: 4 up to head_dim 64, 8 at 128 on this CPU) times all keys (a multiple of
+  ATTN_BLOCK) in one GEMM; each score is a length-D dot product whose bits do not depend on the
+  row or key count. Masked keys get -inf, and the row softmax (exact max, vectorised exp, sequential sum
   along the row) ignores the exact zeros they become. probs @ V runs in fixed blocks of
   ATTN_BLOCK keys aligned at position 0 (fixed-shape GEMMs), folded left to right with baddbmm_;
   blocks past a query add exact zeros. Prefill, decode and chunked prefill therefore run the same
@@ -381,7 +383,7 @@ def _attention_block(qb, kb, vb, bias, block: int) -> tuple[torch.Tensor, torch.
     with the additive causal bias (B, 1, rows, keys): (output, probs)."""
     rows, keys = qb.shape[1], kb.shape[1]
     # Scores in one GEMM per (sequence, KV head): element (r, c) is a length-D dot product whose
-    # bits do not depend on the row count (a multiple of 4) or the key count (a multiple of 16).
+    # bits do not depend on the row count (a multiple of `score_rows`) or the key count (of 16).
     scores = torch.bmm(qb, kb.transpose(1, 2))
     scores.view(bias.shape[0], -1, rows, keys).add_(bias)  # (B, Hkv, rows, keys)
     # Row softmax: exact max, vectorised exp, and a sequential vector sum along the row, so the keys
