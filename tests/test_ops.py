@@ -432,10 +432,10 @@ def test_invariant_attention_continuous_batching(data, shape):
 
 
 def test_score_rows_follow_the_head_dim():
-    """The attention-score GEMM's row tile is probed per head_dim (`invariant.score_rows`). Negative
+    """The attention-score GEMM's row tile is probed per head_dim (`invariant_attention.score_rows`). Negative
     control: where it is above 4, a 4-row fp32 GEMM really gives some score other bits than the
     same rows among more, which is what broke decode vs prefill at head_dim 128 with 4-row tiles."""
-    from rzero.ops.invariant import score_rows
+    from rzero.ops.invariant_attention import score_rows
 
     threads = torch.get_num_threads()
     tiles = {d: score_rows(d, threads) for d in (16, 32, 64, 128)}
@@ -761,7 +761,7 @@ def test_sample_tokens_frequencies_match_distribution():
 def test_bucketed_attention_equals_one_padded_matmul(data, shape):
     """The no-grad path splits a mixed batch (decodes next to prefill chunks, short and long
     contexts) into buckets; its bits equal those of one GEMM padded over the whole batch."""
-    from rzero.ops import invariant
+    from rzero.ops import invariant_attention
 
     seqs = [draw_seq(data, shape, 60, f"seq{i}") for i in range(data.draw(st.integers(2, 6), label="sequences"))]
     chunks = []
@@ -776,12 +776,12 @@ def test_bucketed_attention_equals_one_padded_matmul(data, shape):
     q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
     nx = INVARIANT
     bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
-    single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
+    single = invariant_attention._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[: meta.num_tokens], single[: meta.num_tokens])
 
 
 def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
-    from rzero.ops import invariant
+    from rzero.ops import invariant_attention
 
     gen = torch.Generator().manual_seed(3)
     seqs = [Seq(gen, 60, 4, 2, 32, torch.float32), Seq(gen, 20, 4, 2, 32, torch.float32)]
@@ -790,9 +790,9 @@ def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
     meta = AttentionMeta.build([1, 20], [59, 0], [run.tables[0], run.tables[1]], row_tile=INVARIANT.row_tile)
     q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
     nx = INVARIANT
-    assert len(invariant._buckets(meta)) == 2
+    assert len(invariant_attention._buckets(meta)) == 2
     bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
-    single = invariant._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
+    single = invariant_attention._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[:21], single[:21])
 
 

@@ -15,7 +15,7 @@ import torch
 # uses the same block size, so a cache block is exactly one attention block.
 ATTN_BLOCK = 16
 # Query slots per sequence are padded to a multiple of this. The CPU attention pads further where
-# its score GEMM needs more rows for fixed bits (`invariant.score_rows`: 8 at head_dim 128).
+# its score GEMM needs more rows for fixed bits (`invariant_attention.score_rows`: 8 at head_dim 128).
 Q_TILE = 4
 
 
