@@ -757,10 +757,21 @@ def test_sample_tokens_frequencies_match_distribution():
 
 
 @SLOW
-@given(data=st.data(), shape=attn_shapes)
-def test_bucketed_attention_equals_one_padded_matmul(data, shape):
+@given(data=st.data(), shape=attn_shapes, chunk_bytes=st.sampled_from([0, 1, 1 << 14, 1 << 23]))
+def test_bucketed_attention_equals_one_padded_matmul(data, shape, chunk_bytes):
     """The no-grad path splits a mixed batch (decodes next to prefill chunks, short and long
-    contexts) into buckets; its bits equal those of one GEMM padded over the whole batch."""
+    contexts) into buckets, cut further to CHUNK_BYTES of keys (1: one sequence per bucket); its
+    bits equal those of one GEMM padded over the whole batch."""
+    from rzero.ops import invariant_attention
+
+    invariant_attention.CHUNK_BYTES, saved = chunk_bytes, invariant_attention.CHUNK_BYTES
+    try:
+        _bucketed_equals_single(data, shape)
+    finally:
+        invariant_attention.CHUNK_BYTES = saved
+
+
+def _bucketed_equals_single(data, shape):
     from rzero.ops import invariant_attention
 
     seqs = [draw_seq(data, shape, 60, f"seq{i}") for i in range(data.draw(st.integers(2, 6), label="sequences"))]
@@ -790,7 +801,7 @@ def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
     meta = AttentionMeta.build([1, 20], [59, 0], [run.tables[0], run.tables[1]], row_tile=INVARIANT.row_tile)
     q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
     nx = INVARIANT
-    assert len(invariant_attention._buckets(meta)) == 2
+    assert len(invariant_attention._buckets(meta, key_bytes=2 * 32 * 4)) == 2
     bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
     single = invariant_attention._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[:21], single[:21])
