@@ -159,6 +159,9 @@ def test_run_threads_by_model_size_and_restored_after_train(tmp_path, monkeypatc
     big.mkdir()
     (big / "config.json").write_text(json.dumps({"hidden_size": 1024}))
     assert loop.run_threads(small_config(tmp_path, f'model.path="{big}"')) == torch.get_num_threads()
+    # fp32 under invariant numerics stays on one thread at K >= 1024 (two threads change its bits)
+    assert loop.run_threads(small_config(tmp_path, f'model.path="{big}"', "model.dtype=fp32")) == 1
+    assert loop.run_threads(small_config(tmp_path, f'model.path="{big}"', "model.dtype=fp32", "model.numerics=standard")) == torch.get_num_threads()
 
     seen = []
     monkeypatch.setattr(loop, "_train", lambda config, run_dir, **kw: seen.append(torch.get_num_threads()) or run_dir)

@@ -184,7 +184,8 @@ class RunSection(Section):
     # (rzero.run.record; docs/design.md gives its size per step).
     record_rollouts: bool = True
     # Torch intra-op threads of the run's process. 0: by model size, one below hidden size 1024
-    # (faster on tiny models) else PyTorch's default (rzero.ops.device.cpu_threads).
+    # (faster on tiny models) else PyTorch's default, but one for invariant fp32, whose bits need
+    # it from hidden size 1024 on (rzero.ops.device.cpu_threads).
     threads: int = Field(0, ge=0)
 
 

@@ -32,6 +32,7 @@ from rzero.check.engine_checks import (
 )
 from rzero.check.harness import CheckResult, Harness, fmt
 from rzero.ops import resolve_device
+from rzero.ops.device import intra_op_threads, model_dir_threads
 from rzero.check.trainer_checks import (
     c0_numerics_audit,
     c1_weight_parity,
@@ -152,7 +153,9 @@ def main(args: argparse.Namespace) -> int:
     if not args.json and sys.stderr.isatty():
         progress = lambda cid: print(f"  running {cid} ...", file=sys.stderr, flush=True)  # noqa: E731
     device = str(resolve_device(args.device))  # a clear error before any check runs
-    results = run_checks(args.model, args.numerics, args.dtype, seed=args.seed, progress=progress, device=device)
+    # The thread count a run of this model would get (`run.threads = 0`): the checks judge that.
+    with intra_op_threads(model_dir_threads(args.model, 0, args.dtype, args.numerics)):
+        results = run_checks(args.model, args.numerics, args.dtype, seed=args.seed, progress=progress, device=device)
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps(report(results, args.model, args.numerics, args.dtype, seconds)))

@@ -130,7 +130,7 @@ def main(args) -> int:
     device = resolve_device(getattr(args, "device", "cpu"))  # a clear error before the model loads
     # A model directory loads on the CPU by default: name the device only when it is another one.
     placement = {} if device.type == "cpu" else {"device": device}
-    with intra_op_threads(model_dir_threads(model_dir, args.threads)):
+    with intra_op_threads(model_dir_threads(model_dir, args.threads, args.dtype, args.numerics)):
         engine = Engine(
             model_dir, numerics=args.numerics, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed, **placement
         )

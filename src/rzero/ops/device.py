@@ -47,20 +47,23 @@ def resolve_device(name: str | torch.device) -> torch.device:
 SMALL_MODEL_HIDDEN = 1024
 
 
-def cpu_threads(hidden_size: int, requested: int = 0) -> int:
+def cpu_threads(hidden_size: int, requested: int = 0, dtype: str = "bf16", numerics: str = "invariant") -> int:
     """Torch intra-op threads to run a model of this hidden size with: `requested`, or for 0 one
-    below SMALL_MODEL_HIDDEN and PyTorch's current count (one per core by default) above it."""
+    below SMALL_MODEL_HIDDEN and PyTorch's current count (one per core by default) above it,
+    except fp32 under invariant numerics, which stays on one: from K = 1024 on, MKL splits a
+    one-tile fp32 GEMM across threads and the invariant linear loses its bits (docs/numerics.md)."""
     if requested:
         return requested
-    return 1 if hidden_size < SMALL_MODEL_HIDDEN else torch.get_num_threads()
+    exact_fp32 = str(dtype).removeprefix("torch.") in ("fp32", "float32") and str(numerics) == "invariant"
+    return 1 if hidden_size < SMALL_MODEL_HIDDEN or exact_fp32 else torch.get_num_threads()
 
 
-def model_dir_threads(model_dir: str | Path, requested: int = 0) -> int:
+def model_dir_threads(model_dir: str | Path, requested: int = 0, dtype: str = "bf16", numerics: str = "invariant") -> int:
     """`cpu_threads` for a Hugging Face model directory (PyTorch's count if its config.json is
     missing or names no hidden size: loading the model then says what is wrong)."""
     config = Path(model_dir) / "config.json"
     hidden = json.loads(config.read_text()).get("hidden_size", SMALL_MODEL_HIDDEN) if config.is_file() else SMALL_MODEL_HIDDEN
-    return cpu_threads(hidden, requested)
+    return cpu_threads(hidden, requested, dtype, numerics)
 
 
 @contextlib.contextmanager

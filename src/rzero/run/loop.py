@@ -96,9 +96,10 @@ def _steps_to_replay(config: RunConfig, record: RolloutRecord, start_step: int, 
 
 def run_threads(config: RunConfig) -> int:
     """The torch intra-op thread count for this run (`run.threads`, 0: by model size)."""
-    if config.model.path:
-        return model_dir_threads(config.model.path, config.run.threads)
-    return cpu_threads(PRESETS[config.model.preset][1].hidden_size, config.run.threads)
+    model = config.model
+    if model.path:
+        return model_dir_threads(model.path, config.run.threads, model.dtype, model.numerics)
+    return cpu_threads(PRESETS[model.preset][1].hidden_size, config.run.threads, model.dtype, model.numerics)
 
 
 def train(config: RunConfig, run_dir: Path, **kwargs) -> Path:

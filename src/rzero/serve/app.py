@@ -146,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
 
     if not Path(args.model).is_dir():  # else the first file looked for would be named as missing
         raise FileNotFoundError(f"{args.model}: no such model directory")
-    with intra_op_threads(model_dir_threads(args.model, args.threads)):
+    with intra_op_threads(model_dir_threads(args.model, args.threads, args.dtype, args.numerics)):
         engine = Engine(
             args.model,
             numerics=args.numerics,
