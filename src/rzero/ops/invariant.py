@@ -174,6 +174,11 @@ def _prepacked(weight: torch.Tensor) -> torch.Tensor | None:
     return entry[3]
 
 
+def _prepack_pays(wt: torch.Tensor) -> bool:
+    """A large bf16 GEMM operand whose shape the probe proved for the prepacked linear."""
+    return wt.dtype == torch.bfloat16 and wt.shape[0] >= PREPACK_MIN_K and prepack_proven(*wt.shape, torch.get_num_threads())
+
+
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = False) -> torch.Tensor:
     """`may_prepack`: no gradient is wanted (the engine, scoring), so decode-size inputs may use a
     prepacked copy of the weight; a weight in training changes every step and is never packed."""
@@ -182,17 +187,9 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = F
     sizes = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads()) if len(x2) >= BIG_TILES[-1] else ()
     sizes = [size for size in sizes if size <= len(x2)]
     if not sizes:  # decode batches and small weights' short inputs: 16-row tiles only
-        if (
-            may_prepack
-            and wt.dtype == torch.bfloat16
-            and wt.shape[0] >= PREPACK_MIN_K
-            and prepack_proven(*wt.shape, torch.get_num_threads())
-        ):
-            packed = _prepacked(weight)
-            if packed is not None:
-                out = torch.cat([_onednn_tile(tile, packed) for tile in x2.split(ROW_TILE)])
-                return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
-        return _small_tiles(x2, wt)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+        packed = _prepacked(weight) if may_prepack and _prepack_pays(wt) else None
+        out = _small_tiles(x2, wt) if packed is None else torch.cat([_onednn_tile(t, packed) for t in x2.split(ROW_TILE)])
+        return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
     # Bulk rows in the largest proven tiles (one mm each), the rest in ROW_TILE tiles: every row
     # gets a ROW_TILE tile's bits whichever tile it lands in.
     out = x2.new_empty(x2.shape[0], wt.shape[1])

@@ -165,7 +165,7 @@ class _Attention(torch.autograd.Function):
         out, saved = _attention_forward(q, k_cache, v_cache, plan, scale, keep_probs=True)
         ctx.plan, ctx.scale, ctx.shapes = plan, scale, (q.shape, q.dtype, k_cache.shape, k_cache.dtype)
         ctx.save_for_backward(out, *saved)
-        return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
+        return _token_rows(out, plan, q)
 
     @staticmethod
     def backward(ctx, grad):
@@ -232,10 +232,15 @@ def _buckets(meta: AttentionMeta, key_bytes: int) -> list[tuple[torch.Tensor, At
     return buckets
 
 
+def _token_rows(out: torch.Tensor, plan: _AttentionPlan, q: torch.Tensor) -> torch.Tensor:
+    """From the (B * Hkv, rows, D) matmul layout back to q's (tokens, heads, D) rows and dtype."""
+    return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
+
+
 def _attention_rows(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
     plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.shape[2])
     out, _ = _attention_forward(q, k_cache, v_cache, plan, scale)
-    return out.view(-1, q.shape[-1]).index_select(0, plan.out_rows).view(-1, *q.shape[1:]).to(q.dtype)
+    return _token_rows(out, plan, q)
 
 
 def attention(
