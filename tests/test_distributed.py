@@ -79,7 +79,7 @@ def same_but_timing(a: list[dict], b: list[dict], also: tuple[str, ...] = ()) ->
 @pytest.fixture(scope="module")
 def local_sync(tmp_path_factory) -> list[dict]:
     """The reference: the synchronous run on the local backend with 2 worker threads."""
-    rows = run(sync_config("rollout.workers=2"), tmp_path_factory.mktemp("local") / "run")
+    rows = run(sync_config("rollout.backend=local", "rollout.workers=2"), tmp_path_factory.mktemp("local") / "run")
     assert any(m["grad_norm"] > 0 for m in rows)  # the weights change: the comparison means something
     return rows
 

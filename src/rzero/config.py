@@ -107,9 +107,11 @@ class EnvSection(Section):
 
 
 class RolloutSection(Section):
-    # "local": worker threads in the trainer's process (the default); "ray": one Ray actor per
-    # worker, each with its own engine and environment (docs/distributed.md).
-    backend: Literal["local", "ray"] = "local"
+    # Where rollout workers run, each with its own engine and environment: "process", a spawned
+    # process per worker (the engine does not take turns on the GIL with the trainer); "local",
+    # threads of the trainer's process; "ray", one Ray actor per worker (docs/distributed.md);
+    # "auto" (the default), "process" for a CPU model and "local" for a GPU one.
+    backend: Literal["auto", "process", "local", "ray"] = "auto"
     max_lag: int = Field(2, ge=0)  # 0: the synchronous baseline
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
@@ -208,13 +210,13 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _distributed_needs_ray(self) -> RunConfig:
-        if self.rollout.backend == "local" and (self.rollout.gpus_per_worker or self.rollout.cpus_per_worker != 1.0):
+        if self.rollout.backend != "ray" and (self.rollout.gpus_per_worker or self.rollout.cpus_per_worker != 1.0):
             raise ValueError("rollout.cpus_per_worker / gpus_per_worker are Ray resources: set rollout.backend = 'ray'")
-        if self.model.device != "cpu" and (self.rollout.backend == "ray" or self.train.world_size > 1):
-            # Not built yet: the Ray actors and trainer ranks place their models on the CPU.
+        if self.model.device != "cpu" and (self.rollout.backend in ("ray", "process") or self.train.world_size > 1):
+            # Not built yet: the Ray actors, worker processes and trainer ranks place their models on the CPU.
             raise ValueError(
                 f"model.device = {self.model.device!r} runs in one process only: "
-                "use rollout.backend = 'local' and train.world_size = 1, or model.device = 'cpu'"
+                "use rollout.backend = 'local' (or 'auto') and train.world_size = 1, or model.device = 'cpu'"
             )
         return self
 

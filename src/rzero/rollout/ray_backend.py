@@ -1,38 +1,26 @@
 """`RayBackend`: rollout workers as Ray actors, one engine and environment each.
 
-Admission, collection, stale drops, state_dict and stats are the `Orchestrator`'s, exactly as in
-the local backend; only the worker differs. For each actor the driver runs one proxy thread doing
-the local worker's loop: under the lock it asks whether a weight load is due and which groups are
-admissible, then makes one remote call `actor.work(weights_or_None, version, starts)` and collects
-the finished samples it returns. Weights travel once per version: `publish` puts the state dict in
-the Ray object store once and every proxy hands the same reference to its actor when a load is due.
-
-Faults: actors are created with `max_restarts=-1`, so Ray restarts one that dies (`kill -9`).
-When a call fails because the actor died or is unreachable, the proxy puts the actor's in-flight
-groups back to be sampled again from scratch, forgets the version its engine held (the restarted
-actor loads weights again), counts `rollout/worker_restarts`, and goes on. An error raised by the
-actor's own code (a bug, an environment that raises outside the episode protocol) reaches the
-trainer from `get_groups`, as in the local backend.
+The driver side (a proxy thread per actor, faults) is `RemoteBackend`'s; this class starts the
+actors and makes the remote call. Weights travel once per version: `publish` puts the state dict
+in the Ray object store once and every proxy hands the same reference to its actor when a load is
+due. Actors are created with `max_restarts=-1`, so Ray restarts one that dies (`kill -9`); its
+groups are sampled again.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rzero.rollout.orchestrator import Orchestrator
-from rzero.rollout.ray_worker import RolloutWorker
+from rzero.rollout.remote import RemoteBackend, WorkerLost
+from rzero.rollout.worker import RolloutWorker
 
-# Consecutive failed calls to one actor (without a successful one between) before the run stops:
-# an actor that cannot come back (its constructor raises) must not retry forever.
-MAX_CONSECUTIVE_FAILURES = 30
 # Actors are named f"{ACTOR_PREFIX}<run id>-<worker>" (ray.util.list_named_actors finds them).
 ACTOR_PREFIX = "rzero-rollout-"
 
 
-class RayBackend(Orchestrator):
+class RayBackend(RemoteBackend):
     def __init__(
         self,
         ray,
@@ -90,54 +78,12 @@ class RayBackend(Orchestrator):
             self.ray.kill(actor, no_restart=True)
         self.actors = []
 
-    def _run_worker(self, i: int) -> None:
+    def _call(self, i, weights, version, starts, wait):
         from ray.exceptions import RayActorError
 
-        actor, name = self.actors[i], f"rollout-{i}"
-        owned: set[int] = set()  # groups started on this actor and not finished
-        local_version = None
-        incarnation = None  # the actor's life the groups in `owned` run on
-        failures = 0
-        while True:
-            with self.cond:
-                if self._stop:
-                    return
-                weights, version, starts = self._next_work(local_version)
-                earlier = set(owned)
-                owned.update(starts)
-                if weights is None and not starts and not owned:
-                    self.cond.wait(timeout=0.5)
-                    continue
-            try:
-                life, ran, done = self.ray.get(actor.work.remote(weights, version, starts, bool(owned)))
-            except RayActorError as err:
-                if "creation task" in str(err):  # the constructor raised: a restart cannot help
-                    raise
-                failures += 1
-                if failures > MAX_CONSECUTIVE_FAILURES:
-                    raise RuntimeError(f"rollout actor {i} failed {failures - 1} times in a row; last: {err}") from err
-                self._lost(name, owned, restarted=failures == 1)
-                owned.clear()
-                local_version, incarnation = None, None
-                time.sleep(min(0.1 * failures, 1.0))
-                continue
-            failures = 0
-            if incarnation is not None and life != incarnation:
-                # Ray restarted the actor between two calls (the call waited for the new life):
-                # what ran on the old life is lost; what this call started runs on the new one.
-                lost = owned if not ran else earlier
-                self._lost(name, lost, restarted=True)
-                owned -= lost
-                local_version = None
-            incarnation = life
-            if not ran:  # a new life without weights: it started nothing
-                self._lost(name, owned, restarted=False)
-                owned.clear()
-                local_version = None
-                continue
-            if weights is not None:
-                local_version = version
-                self._loaded_version(name, version)
-            for g, sample, rollout, failed, grader_timeout in done:
-                if g in owned and self._collect(g, sample, rollout, failed, grader_timeout):
-                    owned.discard(g)
+        try:
+            return self.ray.get(self.actors[i].work.remote(weights, version, starts, wait))
+        except RayActorError as err:
+            if "creation task" in str(err):  # the constructor raised: a restart cannot help
+                raise
+            raise WorkerLost(str(err)) from err  # Ray restarts the actor (max_restarts=-1)

@@ -1,4 +1,4 @@
-"""The rollout backend a run uses: worker threads in this process, or Ray actors.
+"""The rollout backend a run uses: worker processes, worker threads in this process, or Ray actors.
 
 `check_backend(config)` fails before anything starts when the backend cannot run (Ray missing);
 `make_backend(...)` builds the backend, and for Ray also connects to (or starts) the cluster and
@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rzero.config import RunConfig
 from rzero.engine import Engine, SamplingParams
 from rzero.envs import make_env as build_env
+from rzero.ops import resolve_device
 from rzero.rollout.orchestrator import LocalBackend, Orchestrator
 from rzero.run.cluster import open_cluster, require_ray, reserve
 
 
 @dataclass
 class EngineFactory:
-    """Builds a rollout engine; picklable, so Ray actors build their own from it."""
+    """Builds a rollout engine; picklable, so worker processes and Ray actors build their own from it."""
 
     model: Any  # the engine template (the trainer's compute model at the start); each engine copies it
     numerics: Any
@@ -46,7 +50,7 @@ class EngineFactory:
 
 @dataclass
 class GivenEnv:
-    """The environment a caller passed to train(), rebuilt in each actor from its pickle."""
+    """The environment a caller passed to train(), rebuilt in each worker process or actor from its pickle."""
 
     env: Any
 
@@ -58,6 +62,23 @@ def check_backend(config: RunConfig) -> None:
     """Fail at once, in one line, when the configured backend cannot run here."""
     if config.rollout.backend == "ray":
         require_ray("rollout.backend = 'ray'")
+
+
+def resolved_backend(config: RunConfig, env=None) -> str:
+    """rollout.backend with "auto" decided: worker processes for a model on the CPU, threads for
+    one on a GPU (its engines share the trainer's device), and threads for an environment given to
+    train() that cannot be pickled to another process."""
+    backend = config.rollout.backend
+    if backend != "auto":
+        return backend
+    if resolve_device(config.model.device).type != "cpu":
+        return "local"
+    if env is not None:
+        try:
+            pickle.dumps(env)
+        except Exception:  # noqa: BLE001 (any pickling failure: keep it in this process)
+            return "local"
+    return "process"
 
 
 def _env_factory(ray, config: RunConfig, env):
@@ -99,10 +120,16 @@ def make_backend(
         rollout_delay_s=config.env.rollout_delay_s,
         state=state,
     )
-    if r.backend == "local":
+    backend = resolved_backend(config, env)
+    if backend == "local":
         return LocalBackend(engine, env if env is not None else build_env(config.env, seed=config.run.seed), **common)
-    if r.backend != "ray":  # the config rejects other names; this guards direct callers
-        raise ValueError(f"unknown rollout.backend {r.backend!r}: 'local' or 'ray'")
+    if backend == "process":
+        from rzero.rollout.process_backend import ProcessBackend
+
+        make_env = functools.partial(build_env, config.env, seed=config.run.seed) if env is None else GivenEnv(env)
+        return ProcessBackend(engine, make_env, threads=torch.get_num_threads(), **common)
+    if backend != "ray":  # the config rejects other names; this guards direct callers
+        raise ValueError(f"unknown rollout.backend {backend!r}: 'auto', 'process', 'local' or 'ray'")
     from rzero.rollout.ray_backend import RayBackend
 
     ray = resources.enter_context(open_cluster(config.cluster, r.workers * r.cpus_per_worker, "rollout.backend = 'ray'"))

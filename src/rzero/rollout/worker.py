@@ -1,12 +1,14 @@
-"""`RolloutWorker`: one rollout worker as a Ray actor, with its own engine and environment.
+"""`RolloutWorker`: one rollout worker in a process of its own (a Ray actor or a worker process),
+with its own engine and environment.
 
-The driver's proxy thread for this actor (rzero.rollout.ray_backend) calls `work` over and over;
+The driver's proxy thread for this worker (rzero.rollout.remote) calls `work` over and over;
 each call loads weights when they are given (the engine recomputes the K/V in flight, as in the
 local backend), starts the given groups with the same seeds as the local backend, steps the engine
 for a bounded slice, and returns the samples that finished meanwhile. Environment steps run on the
-actor's own asyncio loop, so slow tools wait concurrently as in-process.
+worker's own asyncio loop, so slow tools wait concurrently as in-process.
 
-This module imports no Ray: the backend wraps the class with `ray.remote` when it starts actors.
+This module imports no Ray: the Ray backend wraps the class with `ray.remote` when it starts
+actors, and the process backend runs it in a spawned process (rzero.rollout.process_backend).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class RolloutWorker:
         self._changed = threading.Condition()
         self._done: list[Finished] = []
         self._loop = AsyncLoop()
-        # Which life of the actor this is: Ray restarts a killed actor from scratch, and the proxy
+        # Which life of the worker this is: a killed worker is restarted from scratch, and the proxy
         # learns of a restart it did not see fail from a new incarnation in `work`'s answer.
         self.incarnation = uuid.uuid4().hex
         self.loaded = False  # no weights loaded yet: this life must not sample until they are
@@ -57,7 +59,7 @@ class RolloutWorker:
         """Load `weights` (stamped `version`) if given, start the groups `starts`, and step the
         engine until a sample finishes or the slice is over. Returns (incarnation, whether the
         call ran, the samples finished so far); it does not run (starts nothing) when this life
-        of the actor has no weights yet and none were given. `wait=False` (nothing in flight
+        of the worker has no weights yet and none were given. `wait=False` (nothing in flight
         here): return right after the load."""
         if weights is not None:
             self.engine.update_weights(weights, version)

@@ -1,0 +1,204 @@
+"""Rollout workers as processes (`rollout.backend = "process"`, what "auto" picks on the CPU): the
+same numbers as worker threads, a killed worker restarted with no group lost or trained twice,
+errors that reach the trainer, no worker left behind, and scripts without a main guard."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rzero.config import load_config
+from rzero.envs.arithmetic import ArithmeticEnv
+from rzero.run.backends import resolved_backend
+from rzero.run.loop import train
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+NONDETERMINISTIC = ("time/", "tokens/s", "rollout/queued_groups", "rollout/in_flight_groups", "rollout/weight_loads")
+STEPS, PROMPTS = 6, 4
+
+
+class DigitSevenEnv(ArithmeticEnv):
+    """Reward 1 for any completion containing a 7: mixed rewards, so the weights really change.
+    Defined in this test module: the worker processes unpickle it from here (the driver's sys.path)."""
+
+    def reward(self, task, completion):
+        return 1.0 if "7" in completion else 0.0
+
+
+class BrokenTaskEnv(DigitSevenEnv):
+    """Fails outside the episode protocol: building task 5 raises, in the worker."""
+
+    def task(self, index):
+        if index == 5:
+            raise KeyError("task 5 is missing from the dataset")
+        return super().task(index)
+
+
+def sync_config(*overrides):
+    return load_config(
+        Path(SRC).parent / "configs/sync.toml",
+        ["warm_start.steps=0", f"train.steps={STEPS}", f"rollout.prompts_per_step={PROMPTS}", "rollout.group_size=4",
+         "rollout.max_tokens=6", "train.lr=0.01", "run.tensorboard=false", *overrides],
+    )
+
+
+def run(config, run_dir, env=None) -> list[dict]:
+    train(config, run_dir, progress=False, env=env if env is not None else DigitSevenEnv(), log=lambda *a: None)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_but_timing(a: list[dict], b: list[dict], also: tuple[str, ...] = ()) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        keep = lambda m: {k: v for k, v in m.items() if not k.startswith(NONDETERMINISTIC + also)}  # noqa: E731
+        assert keep(x) == keep(y), x["step"]
+
+
+def every_group_once(rows: list[dict]) -> None:
+    """Step s trained exactly groups s*P .. s*P+P-1 (a sync run drops none): each group once."""
+    for m in rows:
+        s = m["step"]
+        assert (m["rollout/first_group"], m["rollout/last_group"]) == (s * PROMPTS, s * PROMPTS + PROMPTS - 1)
+
+
+def worker_pids(parent: int) -> list[int]:
+    """Live rollout worker processes whose parent is `parent` (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        if b"rzero.rollout.process_backend" in cmdline and int(ppid) == parent and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def local_sync(tmp_path_factory) -> list[dict]:
+    """The reference: the synchronous run with 2 worker threads."""
+    rows = run(sync_config("rollout.backend=local", "rollout.workers=2"), tmp_path_factory.mktemp("local") / "run")
+    assert any(m["grad_norm"] > 0 for m in rows)  # the weights change: the comparison means something
+    return rows
+
+
+def test_auto_is_processes_on_the_cpu_and_threads_for_what_cannot_be_pickled():
+    assert load_config(None).rollout.backend == "auto"
+    assert resolved_backend(load_config(None)) == "process"
+    assert resolved_backend(load_config(None, ["rollout.backend=local"])) == "local"
+    unpicklable = DigitSevenEnv()
+    unpicklable.hook = lambda: None  # a lambda does not pickle
+    assert resolved_backend(load_config(None), unpicklable) == "local"
+
+
+def test_sync_run_in_processes_is_bitwise_the_thread_run_and_leaves_no_worker(local_sync, tmp_path):
+    rows = run(sync_config("rollout.backend=process", "rollout.workers=2"), tmp_path / "run")
+    same_but_timing(local_sync, rows)
+    every_group_once(rows)
+    assert all(m["rollout/worker_restarts"] == 0 for m in rows)
+    assert worker_pids(os.getpid()) == []  # both workers ended with the run
+
+
+def test_killed_worker_process_is_restarted_and_no_group_is_lost_or_trained_twice(local_sync, tmp_path):
+    run_dir = tmp_path / "run"
+    # Rewards arrive 0.5 s after each episode: the kill lands while groups are in flight.
+    config = sync_config("rollout.backend=process", "rollout.workers=2", "env.rollout_delay_s=0.5")
+    killed: list[int] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            path = run_dir / "metrics.jsonl"
+            pids = worker_pids(os.getpid())
+            if len(pids) == 2 and path.is_file() and len(path.read_text().splitlines()) >= 1:
+                time.sleep(0.1)  # into step 1's sampling
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+                return
+            time.sleep(0.05)
+
+    side = threading.Thread(target=killer, daemon=True)
+    side.start()
+    rows = run(config, run_dir)
+    side.join(timeout=5)
+    assert killed, "the side thread never killed a worker"
+    assert rows[-1]["rollout/worker_restarts"] >= 1, [(m["step"], m["rollout/worker_restarts"]) for m in rows]
+    every_group_once(rows)
+    # Sync: a group sampled again after the kill has the same weights and seed, so the run is
+    # still the thread run, number for number (the new worker loaded the weights again).
+    same_but_timing(local_sync, rows, also=("rollout/worker_restarts",))
+
+
+def test_an_error_in_a_worker_reaches_the_trainer_with_its_traceback(tmp_path):
+    with pytest.raises(RuntimeError, match="a rollout worker failed") as info:
+        run(sync_config("rollout.backend=process"), tmp_path / "run", env=BrokenTaskEnv())
+    assert "task 5 is missing from the dataset" in str(info.value.__cause__)
+    assert worker_pids(os.getpid()) == []
+
+
+def test_an_environment_that_cannot_be_pickled_is_refused_in_one_line(tmp_path):
+    env = DigitSevenEnv()
+    env.hook = lambda: None
+    with pytest.raises(ValueError, match="cannot be sent to rollout worker processes.*rollout.backend = 'local'"):
+        run(sync_config("rollout.backend=process"), tmp_path / "run", env=env)
+
+
+SCRIPT = """
+from pathlib import Path
+from rzero.config import load_config
+from rzero.run.loop import train
+print("MAIN RAN", flush=True)
+config = load_config(None, ["warm_start.steps=0", "train.steps={steps}", "rollout.prompts_per_step=2",
+                            "rollout.group_size=2", "rollout.max_tokens=4", "run.tensorboard=false",
+                            "rollout.backend=process", "env.rollout_delay_s={delay}"])
+train(config, Path({run_dir!r}), progress=False, log=lambda *a: None)
+print("DONE", flush=True)
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    """The workers are fresh interpreters: nothing runs the caller's script a second time."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(steps=2, delay=0.0, run_dir=str(tmp_path / "run"))))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("MAIN RAN") == 1 and out.stdout.count("DONE") == 1, out.stdout
+
+
+def test_workers_exit_when_their_driver_is_killed(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(steps=1000, delay=0.2, run_dir=str(tmp_path / "run"))))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": SRC})
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids := worker_pids(driver.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pids, "the driver never started a worker"
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in pids if running(p)]
+    assert not alive, f"workers {alive} outlived their driver"
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
