@@ -202,3 +202,54 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_version_scorer_gives_the_trainers_logprobs_of_each_tokens_own_version():
+    import torch
+
+    from rzero.model.presets import PRESETS
+    from rzero.rollout.record import Rollout
+    from rzero.rollout.scoring import VersionScorer
+    from rzero.train.trainer import Trainer
+
+    cls, config = PRESETS["tiny-dense"]
+    models = []
+    for seed in (0, 1):
+        m = cls(config)
+        m.init_weights(seed)
+        models.append(m.to(torch.bfloat16).requires_grad_(False))
+    scorer = VersionScorer(models[0], Trainer.token_logprobs, keep_versions=2)
+    for version, m in enumerate(models, start=4):
+        scorer.add_version(version, {n: p.clone() for n, p in m.named_parameters()})
+    rollouts = [
+        Rollout([1, 2, 3], [7, 8, 9, 10], [0.0] * 4, [4, 4, 5, 5], 0.0),  # weights changed mid-rollout
+        Rollout([4, 5], [11, 12, 13], [0.0] * 3, [5, 5, 5], 0.0, mask=[1, 0, 1]),  # an environment token
+        Rollout([6], [14, 15], [0.0] * 2, [3, 4], 0.0),  # version 3 is not held: the trainer scores it
+    ]
+    scorer.fill(rollouts)
+    with torch.no_grad():
+        by_version = {v: Trainer.token_logprobs(m, rollouts[:2]) for v, m in zip((4, 5), models)}
+    expected0 = [float(by_version[v][0][i]) for i, v in enumerate([4, 4, 5, 5])]
+    assert rollouts[0].version_logprobs == expected0
+    assert rollouts[1].version_logprobs == [float(by_version[5][1][0]), 0.0, float(by_version[5][1][1])]
+    assert rollouts[2].version_logprobs is None
+    assert "version_logprobs" not in rollouts[0].to_dict()  # not recorded: a replay scores again
+    scorer.add_version(6, {n: p.clone() for n, p in models[0].named_parameters()})
+    assert sorted(scorer.weights) == [5, 6]  # the newest keep_versions only
+
+
+def test_async_run_takes_the_decomposition_from_the_workers_and_it_is_exact(tmp_path, monkeypatch):
+    from rzero.train.trainer import Trainer
+
+    seen = []
+    original = Trainer._diagnostics
+
+    def spy(self, rollouts, trainer_lps):
+        seen.append(all(r.version_logprobs is not None for r in rollouts))
+        return original(self, rollouts, trainer_lps)
+
+    monkeypatch.setattr(Trainer, "_diagnostics", spy)
+    rows = run(sync_config("rollout.backend=process", "rollout.max_lag=2", "train.steps=8"), tmp_path / "run")
+    assert seen and all(seen)
+    assert all(m["mismatch/kernel_max_abs"] == 0.0 for m in rows)
+    assert any(m["lag/max"] > 0 and m["mismatch/lag_max_abs"] > 0 for m in rows)  # the weights did lag

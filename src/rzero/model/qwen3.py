@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, packed
+from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, joined, packed
 from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
@@ -109,31 +109,32 @@ class Linear(nn.Module):
 class Packed:
     """The weights of Linear modules that read one input, stored in one tensor whose views the
     modules' parameters are (`Qwen3ForCausalLM.pack_weights`): one GEMM for all of them, while
-    parameter names, shapes and in-place weight loads stay as they were."""
+    parameter names, shapes and in-place weight loads (the trainer's optimizer, engine weight
+    updates) stay as they were."""
 
     def __init__(self, linears: list[Linear]):
         self.weight, views = packed([lin.weight for lin in linears])
         for lin, view in zip(linears, views):
             lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
-        self.sizes = [v.shape[0] for v in views]
         self.ptrs = [v.data_ptr() for v in views]
 
-    def outputs(self, x: torch.Tensor, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
-        """Each module's output: split from one GEMM while the parameters are still views of the
-        packed tensor and no gradient is wanted; else each module on its own (same bits)."""
-        weights = [lin.weight for lin in linears]
-        if [w.data_ptr() for w in weights] == self.ptrs and not (
-            torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-        ):
-            return list(nx.linear(x, self.weight).split(self.sizes, dim=-1))
-        return [lin(x, nx) for lin in linears]
+    def usable(self, linears: list[Linear]) -> bool:
+        """Whether the modules' parameters are still views of the packed tensor."""
+        return [lin.weight.data_ptr() for lin in linears] == self.ptrs
 
 
 def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
+    """Each of `linears` applied to x, in one GEMM (the same bits as one GEMM each): on the packed
+    weight when no gradient is wanted, else on the weights joined for this pass (in training,
+    autograd hands each weight its rows of the gradient)."""
+    weights = [lin.weight for lin in linears]
     packed_weights = owner.__dict__.get("packed")
-    if packed_weights is None:
-        return [lin(x, nx) for lin in linears]
-    return packed_weights.outputs(x, linears, nx)
+    grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+    if packed_weights is not None and packed_weights.usable(linears) and not grad:
+        fused = packed_weights.weight
+    else:
+        fused = joined(weights)
+    return list(nx.linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
 
 
 class MLP(nn.Module):

@@ -7,7 +7,7 @@ its numerics at construction and hands it to its model copy, so both modes can r
 
 from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
 from rzero.ops.device import DEVICE_NAMES, resolve_device
-from rzero.ops.layout import packed
+from rzero.ops.layout import joined, packed
 from rzero.ops.numerics import INVARIANT, NUMERICS_MODES, STANDARD, Numerics, inside_op, numerics, trace_dispatch
 from rzero.ops.sampling import SamplingTransform
 
@@ -22,6 +22,7 @@ __all__ = [
     "SamplingTransform",
     "inside_op",
     "numerics",
+    "joined",
     "packed",
     "resolve_device",
     "trace_dispatch",

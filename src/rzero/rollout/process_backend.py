@@ -113,10 +113,12 @@ class ProcessBackend(RemoteBackend):
         *,
         threads: int = 1,
         rollout_delay_s: float = 0.0,
+        score=None,
         **kwargs,
     ):
         """`make_engine` and `make_env` are called inside each worker process, so they must
-        pickle; `threads`: each worker's torch intra-op threads."""
+        pickle; `threads`: each worker's torch intra-op threads; `score`: the trainer's scoring
+        function, for the workers to fill each rollout's `version_logprobs` (rzero.rollout.scoring)."""
         super().__init__(**kwargs)
         try:
             pickle.dumps(make_env)
@@ -126,7 +128,7 @@ class ProcessBackend(RemoteBackend):
                 "pass a picklable environment or use rollout.backend = 'local'"
             ) from None
         self.make_engine, self.make_env = make_engine, make_env
-        self.threads, self.rollout_delay_s = threads, rollout_delay_s
+        self.threads, self.rollout_delay_s, self.score = threads, rollout_delay_s, score
         self.workers: list[tuple[subprocess.Popen, Any]] = []  # (process, driver's end of its pipe) per worker
 
     def _share(self, weights):
@@ -148,7 +150,9 @@ class ProcessBackend(RemoteBackend):
         theirs.close()  # the child holds its end: when it dies, our recv sees EOF
         conn = multiprocessing.connection.Connection(ours.detach())
         conn.send((sys.path, bytes(multiprocessing.current_process().authkey), self.threads))
-        conn.send((self.make_engine, self.make_env, self.sampling, self.group_size, self.seed, self.rollout_delay_s))
+        # The newest max_lag + 1 versions' weights are kept for scoring: older tokens are stale.
+        conn.send((self.make_engine, self.make_env, self.sampling, self.group_size, self.seed, self.rollout_delay_s,
+                   0.2, self.score, self.max_lag + 1))
         return process, conn
 
     def _await_ready(self, i: int) -> None:

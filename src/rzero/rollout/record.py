@@ -21,6 +21,11 @@ class Rollout:
     # Index in completion_ids where each model turn starts (each turn is its own engine request,
     # with its own seed: rzero.rollout.replay). None: one turn, starting at 0.
     turn_starts: list[int] | None = None
+    # log π of each token under the weights of its own version (0.0 for environment tokens),
+    # computed by the trainer's scoring function where the rollout was sampled (the process
+    # backend, rzero.rollout.scoring); the log-ratio decomposition reads it. None: the trainer
+    # scores the tokens itself. Not recorded (to_dict): a replay or resume scores them again.
+    version_logprobs: list[float] | None = None
 
     def policy_positions(self) -> list[int]:
         """Indices (into completion_ids) of the tokens the model sampled."""
@@ -34,6 +39,11 @@ class Rollout:
     def policy_versions(self) -> list[int]:
         return [self.versions[i] for i in self.policy_positions()]
 
+    def policy_version_logprobs(self) -> list[float] | None:
+        if self.version_logprobs is None:
+            return None
+        return [self.version_logprobs[i] for i in self.policy_positions()]
+
     def num_turns(self) -> int:
         """Model turns in the episode (runs of sampled tokens)."""
         if self.mask is None:
@@ -43,7 +53,7 @@ class Rollout:
     def to_dict(self) -> dict:
         """The fields as JSON-ready values. The token lists are shared, not copied (dataclasses.asdict
         deep-copies every list: ~10 ms a step for the default job's 128 rollouts)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "version_logprobs"}
         d["transform"] = asdict(self.transform)
         return d
 

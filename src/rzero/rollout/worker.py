@@ -23,6 +23,7 @@ from rzero.engine import Engine, SamplingParams
 from rzero.rollout.episodes import AsyncLoop, Episode, EpisodeRunner
 from rzero.rollout.orchestrator import group_params, rollout_of
 from rzero.rollout.record import Rollout
+from rzero.rollout.scoring import ScoreFn, VersionScorer
 
 # One finished sample: (group, sample index, record, env failed, grader timed out).
 Finished = tuple[int, int, Rollout, bool, bool]
@@ -38,8 +39,14 @@ class RolloutWorker:
         seed: int,
         delay_s: float = 0.0,
         slice_s: float = 0.2,
+        score: ScoreFn | None = None,
+        keep_versions: int = 1,
     ):
+        """`score` (the trainer's scoring function): also compute each finished rollout's
+        `version_logprobs` here, for the trainer's log-ratio decomposition (rzero.rollout.scoring),
+        holding the newest `keep_versions` weight versions for it."""
         self.engine, self.env = make_engine(), make_env()
+        self.scorer = None if score is None else VersionScorer(self.engine.model, score, keep_versions)
         self.sampling, self.group_size, self.seed, self.slice_s = sampling, group_size, seed, slice_s
         self._changed = threading.Condition()
         self._done: list[Finished] = []
@@ -57,12 +64,15 @@ class RolloutWorker:
         self, weights: dict | None, version: int | None, starts: list[int], wait: bool = True
     ) -> tuple[str, bool, list[Finished]]:
         """Load `weights` (stamped `version`) if given, start the groups `starts`, and step the
-        engine until a sample finishes or the slice is over. Returns (incarnation, whether the
+        engine until a sample finishes (with a scorer: until the engine has no work left, so that
+        one forward scores what finished together) or the slice is over. Returns (incarnation, whether the
         call ran, the samples finished so far); it does not run (starts nothing) when this life
         of the worker has no weights yet and none were given. `wait=False` (nothing in flight
         here): return right after the load."""
         if weights is not None:
             self.engine.update_weights(weights, version)
+            if self.scorer is not None:
+                self.scorer.add_version(version, weights)
             self.loaded = True
         if not self.loaded:
             return self.incarnation, False, []
@@ -72,13 +82,17 @@ class RolloutWorker:
         while True:
             with self._changed:
                 left = deadline - time.monotonic()
-                if self._done or left <= 0:
+                idle = not self.runner.has_engine_work()
+                if (self._done and (self.scorer is None or idle)) or left <= 0:
                     done, self._done = self._done, []
-                    return self.incarnation, True, done
-                if not self.runner.has_engine_work():  # every episode waits on its environment
+                    break
+                if idle:  # every episode waits on its environment
                     self._changed.wait(timeout=left)
                     continue
             self.runner.step()
+        if self.scorer is not None:
+            self.scorer.fill([rollout for _, _, rollout, _, _ in done])
+        return self.incarnation, True, done
 
     def _finished(self, episode: Episode) -> None:  # on the env loop
         with self._changed:

@@ -19,9 +19,11 @@ import torch
 from rzero.config import RunConfig
 from rzero.engine import Engine, SamplingParams
 from rzero.envs import make_env as build_env
+from rzero.model.io import parse_dtype
 from rzero.ops import resolve_device
 from rzero.rollout.orchestrator import LocalBackend, Orchestrator
 from rzero.run.cluster import open_cluster, require_ray, reserve
+from rzero.train.trainer import Trainer
 
 
 @dataclass
@@ -127,7 +129,11 @@ def make_backend(
         from rzero.rollout.process_backend import ProcessBackend
 
         make_env = functools.partial(build_env, config.env, seed=config.run.seed) if env is None else GivenEnv(env)
-        return ProcessBackend(engine, make_env, threads=torch.get_num_threads(), **common)
+        # The workers score each token under its own version for the decomposition, off the
+        # trainer's critical path, when they hold what the trainer would score with: its dtype.
+        scores = config.diagnostics.decompose and engine.dtype == parse_dtype(config.model.dtype)
+        score = Trainer.token_logprobs if scores else None
+        return ProcessBackend(engine, make_env, threads=torch.get_num_threads(), score=score, **common)
     if backend != "ray":  # the config rejects other names; this guards direct callers
         raise ValueError(f"unknown rollout.backend {backend!r}: 'auto', 'process', 'local' or 'ray'")
     from rzero.rollout.ray_backend import RayBackend

@@ -175,8 +175,8 @@ class AllReduce(_Reduce):
         for p, has in zip(params, present.tolist()):
             if not has:
                 continue  # no rank routed a token to it: no gradient, as in one process
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(g, op=dist.ReduceOp.SUM)
+            g = p.grad.contiguous() if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format)
+            dist.all_reduce(g, op=dist.ReduceOp.SUM)  # (gloo needs contiguous tensors; packed weights are not)
             p.grad = g
         loss_total = 0.0
         for loss in losses:

@@ -12,6 +12,7 @@ and every update (RL steps, the supervised warm start, the checklist's update) g
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -59,9 +60,11 @@ class TrainerSettings:
 
 def copy_grads_to_master(master: torch.nn.Module, compute: torch.nn.Module) -> None:
     """Hand the compute copy's gradients to the fp32 master parameters. A parameter that got no
-    gradient (an MoE expert no token was routed to) keeps none, so AdamW leaves it alone."""
+    gradient (an MoE expert no token was routed to) keeps none, so AdamW leaves it alone. Each
+    gradient takes its master's memory layout: a packed compute weight is stored transposed
+    (`pack_weights`), and the fused AdamW pairs parameter and gradient elements by memory order."""
     for mp, cp in zip(master.parameters(), compute.parameters()):
-        mp.grad = None if cp.grad is None else cp.grad.float()
+        mp.grad = None if cp.grad is None else torch.empty_like(mp).copy_(cp.grad)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -96,6 +99,10 @@ class Trainer:
         self.master = master.float().to(self.device).train()
         self.master.numerics = self.numerics
         self.compute = self.master if dtype == torch.float32 else copy.deepcopy(self.master).to(dtype)
+        if self.compute is not self.master:
+            # bf16: weights row-major, the invariant GEMM's operand without a copy per pass. (Not
+            # the fp32 master: its parameters stay plain tensors for the optimizer and checkpoints.)
+            self.compute.pack_weights()
         self.compute.gradient_checkpointing = settings.gradient_checkpointing
         # fused: one kernel over every parameter, ~3x faster than the per-tensor loop on a tiny model
         self.optimizer = torch.optim.AdamW(
@@ -300,15 +307,26 @@ class Trainer:
             "lag/max": float(lag.max()),
         }
         if self.settings.decompose:
-            pi_v = pi.clone()
-            offsets = torch.tensor([0] + [len(x) for x in trainer_lps]).cumsum(0)
-            for v in sorted(set(versions.tolist()) - {step}):
+            # log π_θv per token: from the rollout where its worker scored it (rzero.rollout.scoring),
+            # else one forward here per old version (tokens of the current version: π itself).
+            offsets = [0, *itertools.accumulate(len(x) for x in trainer_lps)]
+            unscored = [i for i, r in enumerate(rollouts) if r.version_logprobs is None]
+            if len(unscored) == len(rollouts):
+                pi_v = pi.clone()
+            else:
+                pairs = list(zip(rollouts, trainer_lps))
+                filled = [x for r, lp in pairs for x in (r.policy_version_logprobs() or [0.0] * len(lp))]
+                from_workers = [r.version_logprobs is not None for r, lp in pairs for _ in range(len(lp))]
+                pi_v = torch.where(
+                    torch.tensor(from_workers, device=pi.device), torch.tensor(filled, dtype=torch.float32, device=pi.device), pi
+                )
+            for v in sorted({v for i in unscored for v in per_rollout[i]} - {step}):
                 if v not in self.ring:
                     raise RuntimeError(f"weights of version {v} left the ring buffer (lag beyond max_lag?)")
-                chosen = [i for i, seen in enumerate(per_rollout) if v in seen]
+                chosen = [i for i in unscored if v in per_rollout[i]]
                 scored = self.token_logprobs(self._scratch_model(v), [rollouts[i] for i in chosen])
                 for i, lp in zip(chosen, scored):
-                    sl = slice(int(offsets[i]), int(offsets[i + 1]))
+                    sl = slice(offsets[i], offsets[i + 1])
                     mask = versions[sl] == v
                     pi_v[sl][mask] = lp[mask]
             out["mismatch/kernel_max_abs"] = float((pi_v - mu).abs().max())
@@ -320,6 +338,7 @@ class Trainer:
             self._scratch = copy.deepcopy(self.compute).eval()
             for p in self._scratch.parameters():
                 p.requires_grad_(False)
+            self._scratch.pack_weights()
         with torch.no_grad():
             for name, p in self._scratch.named_parameters():
                 p.copy_(self.ring[version][name])
