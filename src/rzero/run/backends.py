@@ -130,8 +130,9 @@ def make_backend(
 
         make_env = functools.partial(build_env, config.env, seed=config.run.seed) if env is None else GivenEnv(env)
         # The workers score each token under its own version for the decomposition, off the
-        # trainer's critical path, when they hold what the trainer would score with: its dtype.
-        scores = config.diagnostics.decompose and engine.dtype == parse_dtype(config.model.dtype)
+        # trainer's critical path, when they hold what the trainer would score with (its dtype)
+        # and there is lag to split (at max_lag 0 the trainer's own π is π_θv: nothing to do).
+        scores = config.diagnostics.decompose and r.max_lag > 0 and engine.dtype == parse_dtype(config.model.dtype)
         score = Trainer.token_logprobs if scores else None
         return ProcessBackend(engine, make_env, threads=torch.get_num_threads(), score=score, **common)
     if backend != "ray":  # the config rejects other names; this guards direct callers
