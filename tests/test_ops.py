@@ -218,6 +218,22 @@ def test_invariant_silu_mul_odd_sizes(data, width, dtype):
     torch.testing.assert_close(alone.float(), (F.silu(g_row.float()) * u_row.float()), rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("width", [64, 512, 3072])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_invariant_silu_mul_on_column_slices_of_a_joined_gemm(width, dtype):
+    """Training, prefill and decode all hand silu_mul the gate and up as column slices of one
+    GEMM's output: each row gets the bits of a flat contiguous copy, alone or among any rows."""
+    gen = torch.Generator().manual_seed(width)
+    joined = (torch.randn(37, 2 * width, generator=gen) * 3).to(DTYPES[dtype])
+    gate, up = joined[:, :width], joined[:, width:]
+    assert not gate.is_contiguous()
+    out = ops.INVARIANT.silu_mul(gate, up)
+    assert torch.equal(out, F.silu(gate.contiguous().reshape(-1)).reshape(gate.shape) * up.contiguous())
+    for i in (0, 17, 36):
+        assert torch.equal(ops.INVARIANT.silu_mul(gate[i : i + 1], up[i : i + 1])[0], out[i])
+        assert torch.equal(ops.INVARIANT.silu_mul(gate[: i + 1], up[: i + 1])[i], out[i])
+
+
 def test_apply_rotary_is_rotate_half():
     gen = torch.Generator().manual_seed(3)
     x, angle = randn(gen, 5, 2, 8), randn(gen, 5, 1, 4)

@@ -249,8 +249,13 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    # Contiguous, so that the vectorised body and tail split the flat tensor, never a strided row
-    # (the gate is a column slice of the packed gate/up GEMM in the engine).
+    if gate.shape[-1] % ELEMENTWISE_TILE == 0:
+        # Rows of whole vectors (every preset's MLP width): no element can fall in a scalar tail,
+        # whether the loop runs over the flat tensor or row by row over a strided column slice
+        # (the gate of the joined gate/up GEMM), so no contiguous copy is needed.
+        return F.silu(gate) * up
+    # Otherwise flat and padded, so that the vectorised body and tail split the flat tensor at a
+    # multiple of the tile, never inside a strided row.
     gate = gate.contiguous()
     n = gate.numel()
     pad = (-n) % ELEMENTWISE_TILE
