@@ -12,9 +12,11 @@ plain text, no chat template), G samples per prompt, at most `--max-tokens` (8) 
 temperature 1.0 (no top-k / top-p), the exact-answer arithmetic reward (a plain Python function
 for TRL), lr 6e-4 constant, grad-norm clip 1.0, one optimizer step per batch of P*G completions.
 
-Contenders (each run in its own subprocess, same torch thread count):
-  rzero-sync   rzero.run.loop.train, rollout.max_lag = 0 (generate with version s, then train)
-  rzero-async  the same with rollout.max_lag = 2 (generation overlaps training)
+Contenders (each run in its own subprocess, same cores: T torch threads, `--threads`):
+  rzero-sync   rzero.run.loop.train, rollout.max_lag = 0 (generate with version s, then train);
+               its rollout worker process and its trainer take turns, T threads each
+  rzero-async  the same with rollout.max_lag = 2 (generation overlaps training); worker and
+               trainer run at once and get max(1, T // 2) threads each (at T = 1: two cores)
   trl          trl.GRPOTrainer, GRPOConfig(per_device_train_batch_size=P*G, num_generations=G,
                gradient_accumulation_steps=1, beta=0 (no reference model), use_cpu, fp32),
                generation with transformers `generate` (TRL's default, no vLLM)
@@ -79,7 +81,11 @@ def parse_args(argv=None):
 def run_rzero(args, max_lag: int) -> dict:
     import torch
 
-    torch.set_num_threads(args.threads)
+    # rzero's rollout worker is a process of its own: in sync mode it and the trainer take turns,
+    # so each may use all T threads; in async mode they run at once, so they share the T cores
+    # (at T = 1 each still gets one thread: async then uses two cores where TRL uses one).
+    threads = args.threads if max_lag == 0 else max(1, args.threads // 2)
+    torch.set_num_threads(threads)
     import rzero.run.loop as run_mod
     from rzero.config import RunConfig
     from rzero.run.metrics_log import MetricsLog
@@ -97,8 +103,8 @@ def run_rzero(args, max_lag: int) -> dict:
                 "temperature": args.temperature,
             },
             "train": {"steps": args.steps, "lr": LR, "grad_clip": 1.0},
-            # the thread count asked for, not run.threads' choice by model size
-            "run": {"seed": args.seed, "tensorboard": False, "checkpoint_every": 10**9, "threads": args.threads},
+            # the thread count asked for (per process), not run.threads' choice by model size
+            "run": {"seed": args.seed, "tensorboard": False, "checkpoint_every": 10**9, "threads": threads},
         }
     )
     stamps: list[float] = []
