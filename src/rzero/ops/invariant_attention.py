@@ -127,13 +127,14 @@ def _attention_forward(q, k_cache, v_cache, plan: _AttentionPlan, scale: float, 
         out, probs = _attention_block(qb, kb, vb, bias, block)
         return out, ((qb, kb, vb, probs) if keep_probs else None)
     out = qb.new_empty(bh, rows, head_dim)
-    probs = qb.new_zeros(bh, rows, keys) if keep_probs else None  # masked keys: exact zeros, as unsplit
+    probs = qb.new_empty(bh, rows, keys) if keep_probs else None
     for r0, r1, visible in plan.row_blocks:
         out[:, r0:r1], block_probs = _attention_block(
             qb[:, r0:r1], kb[:, :visible], vb[:, :visible], bias[:, :, r0:r1, :visible], block
         )
-        if keep_probs:
+        if keep_probs:  # each element written once; masked keys exact zeros, as unsplit
             probs[:, r0:r1, :visible] = block_probs
+            probs[:, r0:r1, visible:] = 0
     return out, ((qb, kb, vb, probs) if keep_probs else None)
 
 
