@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import pickle
 import sys
 from dataclasses import dataclass
@@ -69,11 +70,12 @@ def check_backend(config: RunConfig) -> None:
 def resolved_backend(config: RunConfig, env=None) -> str:
     """rollout.backend with "auto" decided: worker processes for a model on the CPU, threads for
     one on a GPU (its engines share the trainer's device), and threads for an environment given to
-    train() that cannot be pickled to another process."""
+    train() that cannot be pickled to another process (and off POSIX, where a worker process
+    cannot inherit its pipe)."""
     backend = config.rollout.backend
     if backend != "auto":
         return backend
-    if resolve_device(config.model.device).type != "cpu":
+    if resolve_device(config.model.device).type != "cpu" or os.name != "posix":
         return "local"
     if env is not None:
         try:
