@@ -107,8 +107,8 @@ class EnvSection(Section):
 
 
 class RolloutSection(Section):
-    # Where rollout workers run, each with its own engine and environment: "process", a spawned
-    # process per worker (the engine does not take turns on the GIL with the trainer); "local",
+    # Where rollout workers run, each with its own engine and environment: "process", a process
+    # per worker (the engine does not take turns on the GIL with the trainer); "local",
     # threads of the trainer's process; "ray", one Ray actor per worker (docs/distributed.md);
     # "auto" (the default), "process" for a CPU model and "local" for a GPU one.
     backend: Literal["auto", "process", "local", "ray"] = "auto"

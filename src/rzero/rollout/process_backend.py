@@ -80,7 +80,8 @@ def _main() -> None:
         sys.path[:] = path
         multiprocessing.current_process().authkey = authkey
         torch.set_num_threads(threads)
-        worker = RolloutWorker(*conn.recv())
+        args, kwargs = conn.recv()
+        worker = RolloutWorker(*args, **kwargs)
     except EOFError:
         return
     except BaseException:  # noqa: BLE001 (sent to the driver, which stops the run)
@@ -150,9 +151,9 @@ class ProcessBackend(RemoteBackend):
         theirs.close()  # the child holds its end: when it dies, our recv sees EOF
         conn = multiprocessing.connection.Connection(ours.detach())
         conn.send((sys.path, bytes(multiprocessing.current_process().authkey), self.threads))
+        args = (self.make_engine, self.make_env, self.sampling, self.group_size, self.seed)
         # The newest max_lag + 1 versions' weights are kept for scoring: older tokens are stale.
-        conn.send((self.make_engine, self.make_env, self.sampling, self.group_size, self.seed, self.rollout_delay_s,
-                   0.2, self.score, self.max_lag + 1))
+        conn.send((args, dict(delay_s=self.rollout_delay_s, score=self.score, keep_versions=self.max_lag + 1)))
         return process, conn
 
     def _await_ready(self, i: int) -> None:
@@ -165,10 +166,6 @@ class ProcessBackend(RemoteBackend):
             raise RuntimeError(f"rollout worker process {i} died while starting (exit code {_reap(process)})") from None
         if kind == "failed":  # the engine or environment could not be built: a restart cannot help
             raise RuntimeError(f"rollout worker process {i} could not start:\n{payload}")
-
-    def pids(self) -> list[int]:
-        """The process id of every worker (for fault tests and debugging)."""
-        return [process.pid for process, _ in self.workers]
 
     def _call(self, i, weights, version, starts, wait):
         process, conn = self.workers[i]

@@ -5,7 +5,7 @@ the local backend; only where the worker runs differs. For each worker the drive
 thread doing the local worker's loop: under the lock it asks whether a weight load is due and
 which groups are admissible, then makes one call `work(weights_or_None, version, starts)` to its
 worker and collects the finished samples it returns. The subclass says how a call reaches the
-worker (`_call`): a Ray actor (rzero.rollout.ray_backend) or a spawned process
+worker (`_call`): a Ray actor (rzero.rollout.ray_backend) or a local worker process
 (rzero.rollout.process_backend).
 
 Faults: when a call fails because the worker's process died or is unreachable (`WorkerLost`), the

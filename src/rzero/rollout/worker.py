@@ -8,7 +8,7 @@ for a bounded slice, and returns the samples that finished meanwhile. Environmen
 worker's own asyncio loop, so slow tools wait concurrently as in-process.
 
 This module imports no Ray: the Ray backend wraps the class with `ray.remote` when it starts
-actors, and the process backend runs it in a spawned process (rzero.rollout.process_backend).
+actors, and the process backend runs it in a worker process (rzero.rollout.process_backend).
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ class RolloutWorker:
     ) -> tuple[str, bool, list[Finished]]:
         """Load `weights` (stamped `version`) if given, start the groups `starts`, and step the
         engine until a sample finishes (with a scorer: until the engine has no work left, so that
-        one forward scores what finished together) or the slice is over. Returns (incarnation, whether the
-        call ran, the samples finished so far); it does not run (starts nothing) when this life
-        of the worker has no weights yet and none were given. `wait=False` (nothing in flight
-        here): return right after the load."""
+        one forward scores what finished together) or the slice is over. Returns (incarnation,
+        whether the call ran, the samples finished so far); it does not run (starts nothing) when
+        this life of the worker has no weights yet and none were given. `wait=False` (nothing in
+        flight here): return right after the load."""
         if weights is not None:
             self.engine.update_weights(weights, version)
             if self.scorer is not None:
