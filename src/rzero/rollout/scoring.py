@@ -8,7 +8,8 @@ or a worker process on the same machine computes it here, on a core the trainer 
 with the same function (`Trainer.token_logprobs`, handed in by the run), the same numerics and
 the very weights the trainer published as version v (not the engine's loaded copy, so a fault in
 loading them still shows as kernel mismatch). Invariant numerics make the result the trainer's own
-bit for bit whatever the batch (tests/test_process_backend.py compares whole runs).
+bit for bit whatever the batch (tests/test_process_backend.py compares whole runs). The cost: a
+second copy of the model in each worker, and a teacher-forced forward per finished batch there.
 """
 
 from __future__ import annotations
