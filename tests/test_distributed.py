@@ -20,17 +20,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rzero.config import ConfigError, load_config  # noqa: E402
+from rzero.config import ConfigError  # noqa: E402
 from rzero.envs.arithmetic import ArithmeticEnv  # noqa: E402
 from rzero.rollout.ray_backend import ACTOR_PREFIX  # noqa: E402
 from rzero.run.loop import train  # noqa: E402
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-# Timing-dependent fields: wall clock, and how many groups had been picked up or finished and how
-# many weight loads had completed when the trainer read the stats (an actor that is still being
-# built, or a load still on its way, shows one step later).
-TIMING = ("time/", "tokens/s", "rollout/queued_groups", "rollout/in_flight_groups", "rollout/weight_loads")
-STEPS, PROMPTS = 6, 4
+sys.path.insert(0, str(Path(__file__).parent))
+from test_process_backend import SRC, every_group_once, same_but_timing, sync_config  # noqa: E402
 
 
 class DigitSevenEnv(ArithmeticEnv):
@@ -48,32 +44,9 @@ def local_ray():
     ray.shutdown()
 
 
-def sync_config(*overrides):
-    return load_config(
-        "configs/sync.toml" if Path("configs/sync.toml").is_file() else Path(SRC).parent / "configs/sync.toml",
-        [
-            "warm_start.steps=0",
-            f"train.steps={STEPS}",
-            f"rollout.prompts_per_step={PROMPTS}",
-            "rollout.group_size=4",
-            "rollout.max_tokens=6",
-            "train.lr=0.01",
-            "run.tensorboard=false",
-            *overrides,
-        ],
-    )
-
-
 def run(config, run_dir, env=None) -> list[dict]:
     train(config, run_dir, progress=False, env=env if env is not None else DigitSevenEnv(), log=lambda *a: None)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def same_but_timing(a: list[dict], b: list[dict], also: tuple[str, ...] = ()) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        keep = lambda m: {k: v for k, v in m.items() if not k.startswith(TIMING + also)}  # noqa: E731
-        assert keep(x) == keep(y), x["step"]
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +55,6 @@ def local_sync(tmp_path_factory) -> list[dict]:
     rows = run(sync_config("rollout.backend=local", "rollout.workers=2"), tmp_path_factory.mktemp("local") / "run")
     assert any(m["grad_norm"] > 0 for m in rows)  # the weights change: the comparison means something
     return rows
-
-
-def every_group_once(rows: list[dict]) -> None:
-    """Step s trained exactly groups s*P .. s*P+P-1 (a sync run drops none): each group once."""
-    for m in rows:
-        s = m["step"]
-        assert (m["rollout/first_group"], m["rollout/last_group"]) == (s * PROMPTS, s * PROMPTS + PROMPTS - 1)
 
 
 def test_sync_run_on_ray_is_bitwise_the_local_run(local_ray, local_sync, tmp_path):

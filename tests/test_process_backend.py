@@ -20,6 +20,9 @@ from rzero.run.backends import resolved_backend
 from rzero.run.loop import train
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+# Timing-dependent fields: wall clock, and how many groups had been picked up or finished and how
+# many weight loads had completed when the trainer read the stats (a worker that is still being
+# built, or a load still on its way, shows one step later). Shared with tests/test_distributed.py.
 NONDETERMINISTIC = ("time/", "tokens/s", "rollout/queued_groups", "rollout/in_flight_groups", "rollout/weight_loads")
 STEPS, PROMPTS = 6, 4
 
