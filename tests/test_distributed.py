@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from rzero.rollout.ray_backend import ACTOR_PREFIX  # noqa: E402
 from rzero.run.loop import train  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_process_backend import SRC, every_group_once, same_but_timing, sync_config  # noqa: E402
+from test_process_backend import SRC, every_group_once, run_killing_a_worker, same_but_timing, sync_config  # noqa: E402
 
 
 class DigitSevenEnv(ArithmeticEnv):
@@ -94,33 +93,12 @@ def actor_pids(names) -> list[int]:
 
 
 def test_killed_actor_is_restarted_and_no_group_is_lost_or_trained_twice(local_ray, local_sync, tmp_path):
-    run_dir = tmp_path / "run"
     # Rewards arrive 0.5 s after each episode: the kill lands while groups are in flight, and the
     # five steps left give Ray ample time to notice the death even on a busy machine.
     config = sync_config("rollout.backend=ray", "rollout.workers=2", "env.rollout_delay_s=0.5")
-    killed: list[int] = []
     earlier = actor_names()  # actors of earlier runs may still be winding down: never kill those
-
-    def killer() -> None:
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
-            path = run_dir / "metrics.jsonl"
-            ours = actor_names() - earlier
-            if ours and path.is_file() and len(path.read_text().splitlines()) >= 1:
-                time.sleep(0.1)  # into step 1's sampling
-                pid = actor_pids(ours)[0]
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
-            time.sleep(0.05)
-
-    side = threading.Thread(target=killer, daemon=True)
-    side.start()
-    rows = run(config, run_dir)
-    side.join(timeout=5)
-    assert killed, "the side thread never killed an actor"
-    assert rows[-1]["rollout/worker_restarts"] >= 1, (killed, [(m["step"], m["rollout/worker_restarts"]) for m in rows])
-    every_group_once(rows)
+    first_of_ours = lambda: actor_pids(ours)[0] if (ours := actor_names() - earlier) else None  # noqa: E731
+    rows, _ = run_killing_a_worker(config, tmp_path / "run", first_of_ours, timeout=40, runner=run)
     # Sync: a group sampled again after the kill is sampled with the same weights and seed, so the
     # run is still the local run, number for number (the restarted actor loaded weights again).
     same_but_timing(local_sync, rows, also=("rollout/worker_restarts",))
