@@ -6,6 +6,7 @@ property is not free on this machine, so the invariant tests are not passing vac
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from rzero import ops
 from rzero.ops import ATTN_BLOCK, INVARIANT, AttentionMeta, SamplingTransform
-from rzero.ops import invariant
+from rzero.ops import cpu_kernel, invariant
 from rzero.ops.invariant import grouping_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -345,6 +346,25 @@ def reference_attention(seq: Seq) -> torch.Tensor:
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
+@contextlib.contextmanager
+def attention_impl(impl: str):
+    """Run the CPU's invariant attention on the C kernel ("kernel") or on the stock-op fallback
+    that a machine without a C compiler uses ("stock"): both must keep every guarantee."""
+    if impl == "kernel":
+        if cpu_kernel.library() is None:
+            pytest.skip(f"the C attention kernel is not in use: {cpu_kernel.kernel_status()}")
+        yield
+        return
+    saved, cpu_kernel.library = cpu_kernel.library, lambda: None
+    try:
+        yield
+    finally:
+        cpu_kernel.library = saved
+
+
+IMPLS = pytest.mark.parametrize("impl", ["kernel", "stock"])
+
+
 attn_shapes = st.tuples(
     st.sampled_from([1, 2, 4]),  # GQA group
     st.sampled_from([1, 2]),  # kv heads
@@ -365,9 +385,15 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(a, b), f"{what}: max diff {(a.float() - b.float()).abs().max().item()}"
 
 
+@IMPLS
 @SLOW
 @given(data=st.data(), shape=attn_shapes)
-def test_invariant_attention_prefill_decode_chunked(data, shape):
+def test_invariant_attention_prefill_decode_chunked(data, shape, impl):
+    with attention_impl(impl):
+        _invariant_attention_prefill_decode_chunked(data, shape)
+
+
+def _invariant_attention_prefill_decode_chunked(data, shape):
     """(a) full prefill == (b) token-by-token decode == (c) chunked prefill, bit for bit."""
     seq = draw_seq(data, shape, 56, "seq")
     gen = torch.Generator().manual_seed(0)
@@ -382,9 +408,15 @@ def test_invariant_attention_prefill_decode_chunked(data, shape):
     torch.testing.assert_close(full.double(), expected, rtol=tol, atol=tol)
 
 
+@IMPLS
 @SLOW
 @given(data=st.data(), shape=attn_shapes)
-def test_invariant_attention_batch_composition(data, shape):
+def test_invariant_attention_batch_composition(data, shape, impl):
+    with attention_impl(impl):
+        _invariant_attention_batch_composition(data, shape)
+
+
+def _invariant_attention_batch_composition(data, shape):
     """(d) a sequence prefilled inside batches of other sequences (any lengths, any position) and
     (e) through a shuffled, non-contiguous block table gives the same bits as prefilled alone."""
     target = draw_seq(data, shape, 60, "target")
@@ -413,9 +445,15 @@ def test_invariant_attention_batch_composition(data, shape):
         assert_same(solos[i], packed.out[i], f"neighbour {i}")
 
 
+@IMPLS
 @SLOW
 @given(data=st.data(), shape=attn_shapes)
-def test_invariant_attention_continuous_batching(data, shape):
+def test_invariant_attention_continuous_batching(data, shape, impl):
+    with attention_impl(impl):
+        _invariant_attention_continuous_batching(data, shape)
+
+
+def _invariant_attention_continuous_batching(data, shape):
     """An engine-like random schedule: each step mixes decode tokens and prefill chunks of several
     sequences in random order, through shuffled blocks. Every sequence matches its solo prefill."""
     n = data.draw(st.integers(1, 5), label="sequences")
@@ -782,7 +820,8 @@ def test_bucketed_attention_equals_one_padded_matmul(data, shape, chunk_bytes):
 
     invariant_attention.CHUNK_BYTES, saved = chunk_bytes, invariant_attention.CHUNK_BYTES
     try:
-        _bucketed_equals_single(data, shape)
+        with attention_impl("stock"):  # buckets are the stock-op path's (the C kernel needs none)
+            _bucketed_equals_single(data, shape)
     finally:
         invariant_attention.CHUNK_BYTES = saved
 
@@ -818,7 +857,8 @@ def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
     q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
     nx = INVARIANT
     assert len(invariant_attention._buckets(meta, key_bytes=2 * 32 * 4)) == 2
-    bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
+    with attention_impl("stock"):
+        bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
     single = invariant_attention._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[:21], single[:21])
 

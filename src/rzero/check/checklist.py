@@ -32,6 +32,7 @@ from rzero.check.engine_checks import (
 )
 from rzero.check.harness import CheckResult, Harness, fmt
 from rzero.ops import resolve_device
+from rzero.ops.cpu_kernel import kernel_status
 from rzero.ops.device import intra_op_threads, model_dir_threads
 from rzero.check.trainer_checks import (
     c0_numerics_audit,
@@ -115,6 +116,7 @@ def report(results: list[CheckResult], model_dir: str | Path, numerics: str, dty
         "numerics": numerics,
         "dtype": dtype,
         "model": str(model_dir),
+        "cpu_attention": kernel_status(),  # the C kernel, or the stock-op fallback and why
         "passed": all(r.passed for r in results),
         "checks": [r.to_json() for r in results],
     }
@@ -141,6 +143,7 @@ def print_table(results: list[CheckResult], model_dir, numerics: str, dtype: str
         compared = r.compared + (f"\n[dim]{r.detail}[/dim]" if r.detail else "")
         table.add_row(r.id, r.name, compared, shown, verdict)
     console.print(table)
+    console.print(f"[dim]CPU attention: {kernel_status()}[/dim]")
     passed = sum(r.passed for r in results)
     colour = "green" if passed == len(results) else "red"
     console.print(f"[{colour}]{passed}/{len(results)} checks passed[/{colour}] in {seconds:.1f} s")

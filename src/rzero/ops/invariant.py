@@ -20,7 +20,8 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
 - elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
   in the last bit, and which elements fall in the tail depends on the tensor's total size. We pad
   the flat size to a multiple of ELEMENTWISE_TILE so that no element is ever in a tail.
-- attention: see rzero/ops/invariant_attention.py.
+- attention: our C kernel (rzero/ops/cpu_kernel.py), or without a compiler the stock-op version
+  of rzero/ops/invariant_attention.py.
 """
 
 from __future__ import annotations

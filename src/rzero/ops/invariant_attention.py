@@ -1,5 +1,7 @@
 """Batch-invariant attention for the CPU over the paged KV cache (the `attention` op of
-rzero/ops/invariant.py), built from stock PyTorch calls on fixed shapes.
+rzero/ops/invariant.py). It runs our C kernel (rzero/ops/cpu_kernel.py) where one can be built;
+the rest of this file is the fallback built from stock PyTorch calls on fixed shapes (other
+bits, the same guarantees), and the plain backward both use.
 
 fp32 inside. Per (sequence, KV head), the query rows (a multiple of the score tile, `score_rows`:
 4 up to head_dim 64, 8 at 128 on this CPU) times all keys (a multiple of ATTN_BLOCK) in one GEMM;
@@ -25,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from rzero.ops import cpu_kernel
 from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
 
 
@@ -170,26 +173,51 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out, qb, kb, vb, probs = ctx.saved_tensors
-        plan, (q_shape, q_dtype, kv_shape, kv_dtype) = ctx.plan, ctx.shapes
-        head_dim = q_shape[-1]
-        d_out = out.new_zeros(out.numel() // head_dim, head_dim)
-        d_out = d_out.index_add_(0, plan.out_rows, grad.reshape(-1, head_dim).float()).view(out.shape)
-        # Softmax backward, in place on the fresh (B*Hkv, rows, L) buffer to spare big allocations.
-        d_scores = torch.bmm(d_out, vb.transpose(1, 2)).sub_((d_out * out).sum(-1, keepdim=True)).mul_(probs)
-        def scatter(rows: torch.Tensor, d: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-            # Back from matmul layout to the caller's rows; repeated rows (padding) accumulate.
-            g = d.new_zeros(shape.numel() // head_dim, head_dim).index_add_(0, rows, d.reshape(-1, head_dim))
-            return g.view(shape).to(dtype)
+        return _attention_backward(ctx, ctx.saved_tensors, grad)
 
-        grads = [None] * 5
-        if ctx.needs_input_grad[0]:
-            grads[0] = scatter(plan.q_rows, torch.bmm(d_scores, kb).mul_(ctx.scale), q_shape, q_dtype)
-        if ctx.needs_input_grad[1]:
-            grads[1] = scatter(plan.kv_rows, torch.bmm(d_scores.transpose(1, 2), qb), kv_shape, kv_dtype)
-        if ctx.needs_input_grad[2]:
-            grads[2] = scatter(plan.kv_rows, torch.bmm(probs.transpose(1, 2), d_out), kv_shape, kv_dtype)
-        return tuple(grads)
+
+class _KernelAttention(torch.autograd.Function):
+    """The C kernel's forward (rzero/ops/cpu_kernel.py), so that training sees the engine's bits;
+    the backward recomputes the probabilities with the stock-op forward and runs the same plain
+    math as `_Attention` (its probabilities differ from the kernel's in the last bits: gradients
+    need to be right, not bitwise equal to anything)."""
+
+    @staticmethod
+    def forward(ctx, q, k_cache, v_cache, meta, scale):
+        ctx.plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.shape[2])
+        ctx.scale, ctx.shapes = scale, (q.shape, q.dtype, k_cache.shape, k_cache.dtype)
+        ctx.save_for_backward(q, k_cache, v_cache)
+        return cpu_kernel.attention(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_cache, v_cache = ctx.saved_tensors
+        out, saved = _attention_forward(q, k_cache, v_cache, ctx.plan, ctx.scale, keep_probs=True)
+        return _attention_backward(ctx, (out, *saved), grad)
+
+
+def _attention_backward(ctx, saved, grad) -> tuple:
+    """Gradients of q, k_cache and v_cache from the matmul-layout forward's (out, qb, kb, vb, probs)."""
+    out, qb, kb, vb, probs = saved
+    plan, (q_shape, q_dtype, kv_shape, kv_dtype) = ctx.plan, ctx.shapes
+    head_dim = q_shape[-1]
+    d_out = out.new_zeros(out.numel() // head_dim, head_dim)
+    d_out = d_out.index_add_(0, plan.out_rows, grad.reshape(-1, head_dim).float()).view(out.shape)
+    # Softmax backward, in place on the fresh (B*Hkv, rows, L) buffer to spare big allocations.
+    d_scores = torch.bmm(d_out, vb.transpose(1, 2)).sub_((d_out * out).sum(-1, keepdim=True)).mul_(probs)
+    def scatter(rows: torch.Tensor, d: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        # Back from matmul layout to the caller's rows; repeated rows (padding) accumulate.
+        g = d.new_zeros(shape.numel() // head_dim, head_dim).index_add_(0, rows, d.reshape(-1, head_dim))
+        return g.view(shape).to(dtype)
+
+    grads = [None] * 5
+    if ctx.needs_input_grad[0]:
+        grads[0] = scatter(plan.q_rows, torch.bmm(d_scores, kb).mul_(ctx.scale), q_shape, q_dtype)
+    if ctx.needs_input_grad[1]:
+        grads[1] = scatter(plan.kv_rows, torch.bmm(d_scores.transpose(1, 2), qb), kv_shape, kv_dtype)
+    if ctx.needs_input_grad[2]:
+        grads[2] = scatter(plan.kv_rows, torch.bmm(probs.transpose(1, 2), d_out), kv_shape, kv_dtype)
+    return tuple(grads)
 
 
 def _buckets(meta: AttentionMeta, key_bytes: int) -> list[tuple[torch.Tensor, AttentionMeta]] | None:
@@ -247,6 +275,10 @@ def _attention_rows(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> t
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
 ) -> torch.Tensor:
+    if cpu_kernel.library() is not None:
+        if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+            return _KernelAttention.apply(q, k_cache, v_cache, meta, scale)
+        return cpu_kernel.attention(q, k_cache, v_cache, meta, scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.shape[2])
         return _Attention.apply(q, k_cache, v_cache, plan, scale)

@@ -1,0 +1,153 @@
+"""The CPU's own invariant kernel: causal attention over the paged KV cache, in C
+(`csrc/attention.c`), compiled on first use with the system's C compiler and loaded with ctypes.
+
+Why a kernel of our own: built from stock ops, invariant attention must gather every sequence's
+K and V out of the paged cache into fp32 matmul layout, once per layer and step, and fold P @ V
+in 16-key GEMMs; at decode that is most of a step. The kernel reads the cache blocks in place and
+computes each (token, KV head) on its own, in one fixed order, so its bits cannot depend on the
+batch (see the C file's header). The trainer's forward runs the same kernel; its backward is the
+plain softmax-attention math of rzero/ops/invariant_attention.py.
+
+The shared library is built once per source, flags and CPU (`-march=native`: the kernel's bits
+do not depend on it, fmaf is exact by definition, only its speed does) into the cache directory
+`$RZERO_KERNEL_CACHE` (default `~/.cache/rzero/kernels`), atomically, so concurrent worker
+processes may race to build it. Without a compiler, or with `RZERO_CPU_KERNELS=0`, the CPU falls
+back to the stock-op attention: other bits, so every process of a run must make the same choice
+(they share the environment and the machine, so they do). `kernel_status()` says which is in use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from rzero.ops.attention_meta import AttentionMeta
+
+SOURCE = Path(__file__).with_name("csrc") / "attention.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread")
+_NOT_IN_USE: list[str] = []  # why library() returned None
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RZERO_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rzero" / "kernels"
+
+
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a racing process sees no library or the whole of it
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL:
+    """Build (once per source, flags, compiler and CPU) and load the kernel library. Raises
+    RuntimeError or OSError if it cannot; `library()` turns that into the stock-op fallback."""
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC or install gcc)")
+    key = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(), _cpu_identity().encode()])
+    ).hexdigest()[:16]
+    target = (cache_dir or _cache_dir()) / f"rzero_attention_{key}.so"
+    if not target.exists():
+        _build(compiler, flags, target)
+    lib = ctypes.CDLL(str(target))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.rz_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr,
+                                 i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+    lib.rz_attention.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The kernel library this process uses, or None for the stock-op fallback (`kernel_status` says why)."""
+    if os.environ.get("RZERO_CPU_KERNELS", "1") == "0":
+        _NOT_IN_USE.append("disabled by RZERO_CPU_KERNELS=0")
+        return None
+    if not sys.platform.startswith("linux"):
+        _NOT_IN_USE.append(f"built on Linux only (this is {sys.platform})")
+        return None
+    try:
+        return load()
+    except (OSError, RuntimeError) as error:
+        _NOT_IN_USE.append(str(error))
+        warnings.warn(f"rzero: the CPU attention kernel is not in use, stock ops instead (slower): {error}", stacklevel=2)
+        return None
+
+
+def kernel_status() -> str:
+    """"c kernel" when the compiled kernel is in use, else "stock ops (<why>)"."""
+    return "c kernel" if library() is not None else f"stock ops ({'; '.join(_NOT_IN_USE) or 'not built'})"
+
+
+def _token_index(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position) of each real query token, built once per meta (shared by the layers)."""
+    cached = meta.__dict__.get("_kernel_index")
+    if cached is None:
+        max_q = meta.q_index.shape[1]
+        tokens = meta.out_index[: meta.num_tokens]
+        cached = meta.__dict__["_kernel_index"] = (
+            (tokens // max_q).contiguous(),
+            meta.q_positions.reshape(-1)[tokens].contiguous(),
+        )
+    return cached
+
+
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """Causal attention of q (tokens, H, D; rows past meta.num_tokens are not read) over the paged caches (blocks, ATTN_BLOCK, Hkv, D),
+    fp32 inside, returned in q's dtype; padding rows are 0. No autograd (see invariant_attention).
+    `lib`: another build of the kernel (tests compare builds); default `library()`."""
+    lib = lib or library()
+    supported = (torch.float32, torch.bfloat16)
+    if q.dtype not in supported or k_cache.dtype not in supported or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"CPU attention kernel: q {q.dtype}, K/V {k_cache.dtype}/{v_cache.dtype}; needs fp32 or bf16")
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    tables = meta.block_tables.contiguous()
+    seq, pos = _token_index(meta)
+    _, heads, head_dim = q.shape
+    out = torch.empty(meta.padded_tokens, heads, head_dim, dtype=torch.float32)
+    out[meta.num_tokens :] = 0
+    status = lib.rz_attention(
+        q.data_ptr(), q.dtype == torch.bfloat16, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
+        tables.data_ptr(), tables.shape[1], seq.data_ptr(), pos.data_ptr(), meta.num_tokens, heads,
+        k_cache.shape[2], head_dim, k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError({1: "CPU attention kernel: out of memory", 2: "CPU attention kernel: could not start a thread"}.get(status, f"CPU attention kernel failed ({status})"))
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

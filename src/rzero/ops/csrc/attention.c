@@ -1,0 +1,189 @@
+/* Batch-invariant causal attention over the paged KV cache, for the CPU (rzero/ops/cpu_kernel.py).
+
+   One work item is one (query token, KV head): it reads the token's query rows, and the keys and
+   values of positions 0..pos of its sequence straight from the cache blocks, and writes the
+   output rows. Nothing in it depends on the batch: not the other tokens, not how many there
+   are, not padding, not whether the token came in a prefill, a decode step or a chunk, not the
+   thread that runs it. Every reduction has one fixed order, written out below:
+
+   - score = a length-D dot product in 16 lanes (lane l sums the d = l mod 16 terms in order of
+     d, with fused multiply-adds), the lanes then added in a fixed tree (l + 8, + 4, + 2, + 1);
+   - softmax: exact max, exp by our own polynomial (the same bits whatever the vector width the
+     compiler picks), and a sequential sum over keys in position order;
+   - output = sum over keys in position order of e_j * v_j (fused multiply-add), divided by the
+     softmax sum at the end.
+
+   fmaf is exact by definition (one rounding), so the bits do not depend on whether the machine
+   has FMA instructions, only the speed does. Compiled with -ffp-contract=off so that the
+   compiler never fuses a multiply and an add on its own. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+/* Rows are held in buffers of Dp = D rounded up to LANES, zero past D: the padding adds exact
+   zeros (fmaf(0, 0, acc) == acc), so every dot product runs whole lane groups. */
+static inline void load_row(const void *base, int bf16, int64_t offset, int64_t D, float *restrict dst) {
+    if (bf16) {
+        /* bf16 -> fp32 is exact: the 16 bits become the high half of the fp32 word. */
+        const uint16_t *restrict src = (const uint16_t *)base + offset;
+        uint32_t *restrict bits = (uint32_t *)dst;
+        for (int64_t d = 0; d < D; d++) bits[d] = (uint32_t)src[d] << 16;
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)D * sizeof(float));
+    }
+}
+
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+/* The same 16 lanes and tree as the portable version below, in two 8-wide registers. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t Dp) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t d = 0; d < Dp; d += LANES) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
+    }
+    __m256 s8 = _mm256_add_ps(lo, hi);                                                  /* l += l + 8 */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));   /* l += l + 4 */
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                  /* l += l + 2 */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                    /* 0 + 1 */
+}
+#else
+static inline float dot(const float *restrict a, const float *restrict b, int64_t Dp) {
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < Dp; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[d + l], b[d + l], acc[l]);
+    for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
+    for (int l = 0; l < 2; l++) acc[l] += acc[l + 2];
+    return acc[0] + acc[1];
+}
+#endif
+
+static inline void axpy(float *restrict acc, float e, const float *restrict x, int64_t Dp) {
+    for (int64_t d = 0; d < Dp; d++) acc[d] = fmaf(e, x[d], acc[d]);
+}
+
+/* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2,
+   then a degree-7 Taylor polynomial (error below one ulp); 0 below -87 (the fp32 normal limit). */
+static inline float exp_nonpositive(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float clamped = x < -87.0f ? -87.0f : x;
+    float n = fmaf(clamped, 1.44269504088896341f, magic) - magic;
+    float r = fmaf(n, -0.693145751953125f, clamped); /* ln2 in two parts: the first exact in fp32 */
+    r = fmaf(n, -1.42860682030941723212e-6f, r);
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    int q_bf16, kv_bf16;
+    const int64_t *block_tables, *token_seq, *token_pos;
+    int64_t table_stride, H, Hkv, D, block;
+    float scale;
+    float *out;
+    int64_t first, last; /* work items [first, last): item = token * Hkv + kv_head */
+    int status;
+} Job;
+
+static void *run_job(void *arg) {
+    Job *job = (Job *)arg;
+    const int64_t H = job->H, Hkv = job->Hkv, D = job->D, block = job->block, G = H / Hkv;
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES;
+    int64_t longest = 1;
+    for (int64_t item = job->first; item < job->last; item++) {
+        int64_t n = job->token_pos[item / Hkv] + 1;
+        if (n > longest) longest = n;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(G * longest));
+    float *q = calloc((size_t)(G * Dp), sizeof(float));
+    float *acc = malloc(sizeof(float) * (size_t)(G * Dp));
+    float *row = calloc((size_t)Dp, sizeof(float));
+    float *sums = malloc(sizeof(float) * (size_t)G);
+    if (!scores || !q || !acc || !row || !sums) {
+        job->status = 1;
+        goto done;
+    }
+    for (int64_t item = job->first; item < job->last; item++) {
+        const int64_t t = item / Hkv, h = item % Hkv, n = job->token_pos[t] + 1;
+        const int64_t *table = job->block_tables + job->token_seq[t] * job->table_stride;
+        for (int64_t g = 0; g < G; g++) {
+            float *restrict qg = q + g * Dp;
+            load_row(job->q, job->q_bf16, (t * H + h * G + g) * D, D, qg);
+            for (int64_t d = 0; d < D; d++) qg[d] *= job->scale;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            load_row(job->k_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
+            for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot(q + g * Dp, row, Dp);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *restrict s = scores + g * n;
+            float top = s[0], sum = 0.0f;
+            for (int64_t j = 1; j < n; j++) top = s[j] > top ? s[j] : top;
+            for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
+            for (int64_t j = 0; j < n; j++) sum += s[j]; /* in position order: never reassociated */
+            sums[g] = sum;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)(G * Dp));
+        for (int64_t j = 0; j < n; j++) {
+            load_row(job->v_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
+            for (int64_t g = 0; g < G; g++) axpy(acc + g * Dp, scores[g * n + j], row, Dp);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *restrict dst = job->out + (t * H + h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = acc[g * Dp + d] / sums[g];
+        }
+    }
+done:
+    free(scores);
+    free(q);
+    free(acc);
+    free(row);
+    free(sums);
+    return NULL;
+}
+
+/* Returns 0 on success, 1 if memory ran out, 2 if a thread could not be started. */
+int rz_attention(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int kv_bf16,
+                 const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
+                 const int64_t *token_pos, int64_t tokens, int64_t H, int64_t Hkv, int64_t D, int64_t block,
+                 float scale, float *out, int threads) {
+    const int64_t items = tokens * Hkv;
+    if (threads < 1) threads = 1;
+    if (threads > items) threads = items > 0 ? (int)items : 1;
+    Job jobs[64];
+    pthread_t ids[64];
+    if (threads > 64) threads = 64;
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (Job){q, k_cache, v_cache, q_bf16, kv_bf16, block_tables, token_seq, token_pos,
+                        table_stride, H, Hkv, D, block, scale, out,
+                        items * i / threads, items * (i + 1) / threads, 0};
+    }
+    int started = 0, status = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&ids[i], NULL, run_job, &jobs[i]) != 0) {
+            status = 2;
+            break;
+        }
+        started = i;
+    }
+    if (status == 0) run_job(&jobs[0]);
+    for (int i = 1; i <= started; i++) pthread_join(ids[i], NULL);
+    for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
+    return status;
+}

@@ -1,0 +1,124 @@
+"""The CPU's C attention kernel (rzero/ops/cpu_kernel.py, csrc/attention.c): it builds where a
+compiler exists, its bits depend neither on the instruction set it was compiled for nor on the
+thread count, and its training backward gives the right gradients. Batch invariance itself is
+tested in test_ops.py (prefill vs decode vs chunks, neighbours, shuffled blocks) for the kernel
+and for the stock-op fallback alike."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from rzero.ops import INVARIANT, AttentionMeta, cpu_kernel
+
+COMPILER = shutil.which("cc") or shutil.which("gcc")
+# The portable build: baseline x86-64 (no AVX, no FMA instructions: fmaf becomes a libm call).
+PORTABLE = tuple(f for f in cpu_kernel.FLAGS if f != "-march=native") + ("-march=x86-64",)
+
+needs_kernel = pytest.mark.skipif(COMPILER is None, reason="no C compiler on this machine")
+
+
+def random_batch(seed: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """A mixed engine-like batch (decodes and prefill chunks) over a shuffled paged cache."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, ctx_lens = [1, 7, 1, 20, 3], [45, 0, 3, 17, 60]
+    num_blocks = 40
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n, ctx in zip(q_lens, ctx_lens):
+        count = -(-(n + ctx) // 16)
+        tables.append(perm[used : used + count])
+        used += count
+    meta = AttentionMeta.build(q_lens, ctx_lens, tables, row_tile=INVARIANT.row_tile)
+    k_cache = (torch.randn(num_blocks, 16, kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    v_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(meta.padded_tokens, heads, head_dim, generator=gen) * 3).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+@needs_kernel
+def test_the_kernel_builds_where_a_compiler_exists():
+    assert cpu_kernel.library() is not None, cpu_kernel.kernel_status()
+    assert cpu_kernel.kernel_status() == "c kernel"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,kv_heads,head_dim", [(1, 1, 16), (2, 2, 32), (4, 1, 24), (2, 2, 128)])
+def test_bits_do_not_depend_on_the_instruction_set(dtype, group, kv_heads, head_dim, tmp_path):
+    """-march=native (AVX intrinsics, FMA instructions) and baseline x86-64 (portable C, libm fmaf)
+    give the same bits: the kernel's order of operations is in its source, not in the compiler's
+    choice. head_dim 24 exercises the zero padding to whole 16-lane groups."""
+    portable = cpu_kernel.load(PORTABLE, cache_dir=tmp_path)
+    q, k_cache, v_cache, meta = random_batch(head_dim, group * kv_heads, kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    native = cpu_kernel.attention(q, k_cache, v_cache, meta, scale)
+    baseline = cpu_kernel.attention(q, k_cache, v_cache, meta, scale, lib=portable)
+    assert torch.equal(native, baseline)
+    assert torch.isfinite(native).all() and native[: meta.num_tokens].abs().sum() > 0
+
+
+@needs_kernel
+def test_bits_do_not_depend_on_the_thread_count():
+    q, k_cache, v_cache, meta = random_batch(7, 8, 2, 64, torch.bfloat16)
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(cpu_kernel.attention(q, k_cache, v_cache, meta, 0.125))
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def reference(q, k, v, lengths, group):
+    """Causal softmax attention per sequence, in the inputs' dtype (fp64 here), autograd-able."""
+    outs, start = [], 0
+    for n in lengths:
+        qs = q[start : start + n].transpose(0, 1)
+        ks = k[start : start + n].repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[start : start + n].repeat_interleave(group, 1).transpose(0, 1)
+        scores = qs @ ks.transpose(-1, -2) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@needs_kernel
+def test_training_forward_and_gradients_match_the_reference():
+    """The trainer's path (private cache built out of place, autograd through it): forward equals
+    the no-grad kernel bit for bit; gradients of q, k and v match fp64 autograd."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, heads, kv_heads, head_dim = [5, 19, 33], 4, 2, 32
+    total = sum(lengths)
+    q = torch.randn(total, heads, head_dim, generator=gen, requires_grad=True)
+    k = torch.randn(total, kv_heads, head_dim, generator=gen, requires_grad=True)
+    v = torch.randn(total, kv_heads, head_dim, generator=gen, requires_grad=True)
+    meta, num_blocks = AttentionMeta.for_sequences(lengths, row_tile=INVARIANT.row_tile)
+    shape = (num_blocks * 16, kv_heads, head_dim)
+    k_cache = k.new_zeros(shape).index_copy(0, meta.slot_mapping, k).view(num_blocks, 16, kv_heads, head_dim)
+    v_cache = v.new_zeros(shape).index_copy(0, meta.slot_mapping, v).view(num_blocks, 16, kv_heads, head_dim)
+    q_padded = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, meta.padded_tokens - total))
+    out = INVARIANT.attention(q_padded, k_cache, v_cache, meta, head_dim**-0.5)[:total]
+    with torch.no_grad():
+        no_grad = cpu_kernel.attention(q_padded, k_cache, v_cache, meta, head_dim**-0.5)[:total]
+    assert torch.equal(out.detach(), no_grad)
+    weights = torch.randn(out.shape, generator=gen)
+    (out * weights).sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = reference(q64, k64, v64, lengths, heads // kv_heads)
+    torch.testing.assert_close(out.detach().double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    (expected * weights.double()).sum().backward()
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_build_is_reported_not_hidden(tmp_path):
+    """A compiler that fails is an error naming it; the library is never half-written."""
+    with pytest.raises(RuntimeError, match="false failed"):
+        cpu_kernel.load(cpu_kernel.FLAGS, compiler=shutil.which("false") or "/bin/false", cache_dir=tmp_path)
+    assert not list(tmp_path.glob("*.so"))
