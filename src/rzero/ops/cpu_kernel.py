@@ -89,6 +89,9 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     lib.rz_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr,
                                  i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rz_attention.restype = ctypes.c_int
+    lib.rz_attention_backward.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64,
+                                          ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+    lib.rz_attention_backward.restype = ctypes.c_int
     return lib
 
 
@@ -127,6 +130,18 @@ def _token_index(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
     return cached
 
 
+def _check(status: int) -> None:
+    if status:
+        reasons = {1: "out of memory", 2: "could not start a thread"}
+        raise RuntimeError(f"CPU attention kernel: {reasons.get(status, f'failed ({status})')}")
+
+
+def _checked_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    supported = (torch.float32, torch.bfloat16)
+    if q.dtype not in supported or k_cache.dtype not in supported or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"CPU attention kernel: q {q.dtype}, K/V {k_cache.dtype}/{v_cache.dtype}; needs fp32 or bf16")
+
+
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float, lib: ctypes.CDLL | None = None
 ) -> torch.Tensor:
@@ -134,9 +149,7 @@ def attention(
     fp32 inside, returned in q's dtype; padding rows are 0. No autograd (see invariant_attention).
     `lib`: another build of the kernel (tests compare builds); default `library()`."""
     lib = lib or library()
-    supported = (torch.float32, torch.bfloat16)
-    if q.dtype not in supported or k_cache.dtype not in supported or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"CPU attention kernel: q {q.dtype}, K/V {k_cache.dtype}/{v_cache.dtype}; needs fp32 or bf16")
+    _checked_dtypes(q, k_cache, v_cache)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     tables = meta.block_tables.contiguous()
     seq, pos = _token_index(meta)
@@ -148,6 +161,33 @@ def attention(
         tables.data_ptr(), tables.shape[1], seq.data_ptr(), pos.data_ptr(), meta.num_tokens, heads,
         k_cache.shape[2], head_dim, k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads(),
     )
-    if status:
-        raise RuntimeError({1: "CPU attention kernel: out of memory", 2: "CPU attention kernel: could not start a thread"}.get(status, f"CPU attention kernel failed ({status})"))
+    _check(status)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def attention_backward(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (fp32) of q, k_cache and v_cache for the output gradient `grad` (tokens, H, D):
+    plain softmax-attention math, probabilities recomputed, rows past meta.num_tokens get 0."""
+    _checked_dtypes(q, k_cache, v_cache)
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    grad = grad.float().contiguous()
+    tables = meta.block_tables.contiguous()
+    seq, pos = _token_index(meta)
+    starts = torch.tensor([0, *meta.q_lens], dtype=torch.int64).cumsum(0)
+    # Threads split the work by (sequence, KV head) and each writes its sequence's dK/dV rows;
+    # that is race-free only if no two sequences share a cache block (the trainer's private
+    # cache never does; a prefix-sharing engine cache might).
+    used = [t[: -(-n // k_cache.shape[1])] for t, n in zip(tables.tolist(), meta.kv_lens.tolist())]
+    distinct = len({b for t in used for b in t}) == sum(len(t) for t in used)
+    dq = torch.zeros(q.shape[0], *q.shape[1:], dtype=torch.float32)
+    dk = torch.zeros(k_cache.shape, dtype=torch.float32)
+    dv = torch.zeros(v_cache.shape, dtype=torch.float32)
+    _check(library().rz_attention_backward(
+        q.data_ptr(), q.dtype == torch.bfloat16, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
+        tables.data_ptr(), tables.shape[1], seq.data_ptr(), pos.data_ptr(), starts.data_ptr(), len(meta.q_lens),
+        grad.data_ptr(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads() if distinct else 1,
+    ))
+    return dq, dk, dv

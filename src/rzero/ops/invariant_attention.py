@@ -177,23 +177,20 @@ class _Attention(torch.autograd.Function):
 
 
 class _KernelAttention(torch.autograd.Function):
-    """The C kernel's forward (rzero/ops/cpu_kernel.py), so that training sees the engine's bits;
-    the backward recomputes the probabilities with the stock-op forward and runs the same plain
-    math as `_Attention` (its probabilities differ from the kernel's in the last bits: gradients
-    need to be right, not bitwise equal to anything)."""
+    """The C kernel's forward and backward (rzero/ops/cpu_kernel.py): training sees the engine's
+    forward bits; the backward is plain softmax-attention math in C."""
 
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, meta, scale):
-        ctx.plan = _AttentionPlan.get(meta, q.shape[1], k_cache.shape[2], k_cache.shape[1], q.shape[2])
-        ctx.scale, ctx.shapes = scale, (q.shape, q.dtype, k_cache.shape, k_cache.dtype)
+        ctx.meta, ctx.scale = meta, scale
         ctx.save_for_backward(q, k_cache, v_cache)
         return cpu_kernel.attention(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
     def backward(ctx, grad):
         q, k_cache, v_cache = ctx.saved_tensors
-        out, saved = _attention_forward(q, k_cache, v_cache, ctx.plan, ctx.scale, keep_probs=True)
-        return _attention_backward(ctx, (out, *saved), grad)
+        dq, dk, dv = cpu_kernel.attention_backward(q, k_cache, v_cache, ctx.meta, ctx.scale, grad)
+        return dq.to(q.dtype), dk.to(k_cache.dtype), dv.to(v_cache.dtype), None, None
 
 
 def _attention_backward(ctx, saved, grad) -> tuple:

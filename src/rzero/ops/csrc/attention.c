@@ -187,3 +187,132 @@ int rz_attention(const void *q, int q_bf16, const void *k_cache, const void *v_c
     for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------------
+   Backward (training only). It needs the right gradients, not batch-invariant ones, so its
+   order is free; it recomputes the probabilities from q and K instead of storing them. One work
+   unit is one (sequence, KV head): its tokens' dK and dV rows are its own, so threads never
+   write the same element (the caller runs one thread when sequences share cache blocks). */
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    int q_bf16, kv_bf16;
+    const int64_t *block_tables, *token_seq, *token_pos, *seq_starts; /* seq_starts: B + 1 token offsets */
+    const float *grad; /* (tokens, H, D) fp32 */
+    int64_t table_stride, H, Hkv, D, block;
+    float scale;
+    float *dq, *dk, *dv; /* dq (tokens, H, D); dk, dv like the caches, fp32, zeroed by the caller */
+    int64_t first, last; /* units [first, last): unit = sequence * Hkv + kv_head */
+    int status;
+} BackwardJob;
+
+static void *run_backward(void *arg) {
+    BackwardJob *job = (BackwardJob *)arg;
+    const int64_t H = job->H, Hkv = job->Hkv, D = job->D, block = job->block, G = H / Hkv;
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES;
+    int64_t longest = 1;
+    for (int64_t unit = job->first; unit < job->last; unit++) {
+        const int64_t b = unit / Hkv;
+        for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++)
+            if (job->token_pos[t] + 1 > longest) longest = job->token_pos[t] + 1;
+    }
+    /* Per (token, KV head): p and dp hold G rows of `longest` keys; q, go, dq hold G rows of Dp. */
+    float *p = malloc(sizeof(float) * (size_t)(G * longest));
+    float *dp = malloc(sizeof(float) * (size_t)(G * longest));
+    float *q = calloc((size_t)(G * Dp), sizeof(float));
+    float *go = calloc((size_t)(G * Dp), sizeof(float));
+    float *dq = malloc(sizeof(float) * (size_t)(G * Dp));
+    float *row = calloc((size_t)Dp, sizeof(float));
+    float *weighted = malloc(sizeof(float) * (size_t)G);
+    if (!p || !dp || !q || !go || !dq || !row || !weighted) {
+        job->status = 1;
+        goto done;
+    }
+    for (int64_t unit = job->first; unit < job->last; unit++) {
+        const int64_t b = unit / Hkv, h = unit % Hkv;
+        for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++) {
+            const int64_t n = job->token_pos[t] + 1;
+            const int64_t *table = job->block_tables + job->token_seq[t] * job->table_stride;
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t qrow = (t * H + h * G + g) * D;
+                load_row(job->q, job->q_bf16, qrow, D, q + g * Dp);
+                for (int64_t d = 0; d < D; d++) q[g * Dp + d] *= job->scale;
+                memcpy(go + g * Dp, job->grad + qrow, sizeof(float) * (size_t)D);
+            }
+            /* Scores, then probabilities, as in the forward (up to the division's rounding). */
+            for (int64_t j = 0; j < n; j++) {
+                load_row(job->k_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
+                for (int64_t g = 0; g < G; g++) p[g * n + j] = dot(q + g * Dp, row, Dp);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *pg = p + g * n, top = pg[0], sum = 0.0f;
+                for (int64_t j = 1; j < n; j++) top = pg[j] > top ? pg[j] : top;
+                for (int64_t j = 0; j < n; j++) pg[j] = exp_nonpositive(pg[j] - top);
+                for (int64_t j = 0; j < n; j++) sum += pg[j];
+                const float inverse = 1.0f / sum;
+                for (int64_t j = 0; j < n; j++) pg[j] *= inverse;
+                weighted[g] = 0.0f;
+            }
+            /* dP = dO . v_j and the softmax backward's row term sum_j p_j dP_j. */
+            for (int64_t j = 0; j < n; j++) {
+                load_row(job->v_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
+                for (int64_t g = 0; g < G; g++) {
+                    dp[g * n + j] = dot(go + g * Dp, row, Dp);
+                    weighted[g] += p[g * n + j] * dp[g * n + j];
+                }
+            }
+            memset(dq, 0, sizeof(float) * (size_t)(G * Dp));
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t kv = ((table[j / block] * block + j % block) * Hkv + h) * D;
+                load_row(job->k_cache, job->kv_bf16, kv, D, row);
+                for (int64_t g = 0; g < G; g++) {
+                    const float pj = p[g * n + j], ds = pj * (dp[g * n + j] - weighted[g]);
+                    axpy(dq + g * Dp, ds, row, D);
+                    axpy(job->dk + kv, ds, q + g * Dp, D);
+                    axpy(job->dv + kv, pj, go + g * Dp, D);
+                }
+            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = 0; d < D; d++) job->dq[(t * H + h * G + g) * D + d] = dq[g * Dp + d] * job->scale;
+        }
+    }
+done:
+    free(p);
+    free(dp);
+    free(q);
+    free(go);
+    free(dq);
+    free(row);
+    free(weighted);
+    return NULL;
+}
+
+int rz_attention_backward(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int kv_bf16,
+                          const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
+                          const int64_t *token_pos, const int64_t *seq_starts, int64_t num_seqs,
+                          const float *grad, int64_t H, int64_t Hkv, int64_t D, int64_t block, float scale,
+                          float *dq, float *dk, float *dv, int threads) {
+    const int64_t units = num_seqs * Hkv;
+    if (threads < 1) threads = 1;
+    if (threads > units) threads = units > 0 ? (int)units : 1;
+    if (threads > 64) threads = 64;
+    BackwardJob jobs[64];
+    pthread_t ids[64];
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (BackwardJob){q, k_cache, v_cache, q_bf16, kv_bf16, block_tables, token_seq, token_pos, seq_starts,
+                                grad, table_stride, H, Hkv, D, block, scale, dq, dk, dv,
+                                units * i / threads, units * (i + 1) / threads, 0};
+    }
+    int started = 0, status = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&ids[i], NULL, run_backward, &jobs[i]) != 0) {
+            status = 2;
+            break;
+        }
+        started = i;
+    }
+    if (status == 0) run_backward(&jobs[0]);
+    for (int i = 1; i <= started; i++) pthread_join(ids[i], NULL);
+    for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
+    return status;
+}
