@@ -1,8 +1,8 @@
-"""The CPU's C attention kernel (rzero/ops/cpu_kernel.py, csrc/attention.c): it builds where a
-compiler exists, its bits depend neither on the instruction set it was compiled for nor on the
-thread count, and its training backward gives the right gradients. Batch invariance itself is
-tested in test_ops.py (prefill vs decode vs chunks, neighbours, shuffled blocks) for the kernel
-and for the stock-op fallback alike."""
+"""The CPU's C kernels (rzero/ops/cpu_kernel.py, csrc/kernels.c: attention and RMSNorm): they
+build where a compiler exists, their bits depend neither on the instruction set they were
+compiled for nor on the thread count, and their training backward gives the right gradients.
+Batch invariance itself is tested in test_ops.py (prefill vs decode vs chunks, neighbours,
+shuffled blocks, rows alone vs in a batch) for the kernels and the stock-op fallback alike."""
 
 from __future__ import annotations
 
@@ -122,3 +122,40 @@ def test_a_failed_build_is_reported_not_hidden(tmp_path):
     with pytest.raises(RuntimeError, match="false failed"):
         cpu_kernel.load(cpu_kernel.FLAGS, compiler=shutil.which("false") or "/bin/false", cache_dir=tmp_path)
     assert not list(tmp_path.glob("*.so"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [24, 32, 128, 1000])
+def test_rms_norm_bits_do_not_depend_on_the_instruction_set_or_the_layout(dtype, width, tmp_path):
+    """Native and portable builds agree bit for bit; a strided (tokens, heads, head_dim) view of a
+    wider projection, read in place, gives the bits of its contiguous copy."""
+    portable = cpu_kernel.load(PORTABLE, cache_dir=tmp_path)
+    gen = torch.Generator().manual_seed(width)
+    fused = (torch.randn(37, 3 * width, generator=gen) * 4).to(dtype)
+    x = fused[:, width : 3 * width].view(37, 2, width)  # rows of stride 3 * width
+    weight = (1 + torch.randn(width, generator=gen) * 0.1).to(dtype)
+    native = cpu_kernel.rms_norm(x, weight, 1e-6)
+    assert native.is_contiguous() and native.shape == x.shape
+    assert torch.equal(native, cpu_kernel.rms_norm(x, weight, 1e-6, lib=portable))
+    assert torch.equal(native, cpu_kernel.rms_norm(x.contiguous(), weight, 1e-6))
+    expected = weight.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(native.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_rms_norm_gradients_match_the_reference():
+    """Training through the kernel: forward bits equal the no-grad kernel's, gradients match fp64."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(50, 3, 64, generator=gen) * 2).requires_grad_()
+    weight = (1 + torch.randn(64, generator=gen) * 0.1).requires_grad_()
+    out = INVARIANT.rms_norm(x, weight, 1e-6)
+    assert torch.equal(out.detach(), cpu_kernel.rms_norm(x.detach(), weight.detach(), 1e-6))
+    upstream = torch.randn(out.shape, generator=gen)
+    (out * upstream).sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    reference = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    (reference * upstream.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)

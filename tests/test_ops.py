@@ -37,6 +37,25 @@ def embed_row(row: torch.Tensor, rows: int, pos: int, gen: torch.Generator, scal
     return batch
 
 
+@contextlib.contextmanager
+def kernel_impl(impl: str):
+    """Run the CPU's invariant attention and RMSNorm on the C kernels ("kernel") or on the stock-op
+    fallback that a machine without a C compiler uses ("stock"): both must keep every guarantee."""
+    if impl == "kernel":
+        if cpu_kernel.library() is None:
+            pytest.skip(f"the C kernels are not in use: {cpu_kernel.kernel_status()}")
+        yield
+        return
+    saved, cpu_kernel.library = cpu_kernel.library, lambda: None
+    try:
+        yield
+    finally:
+        cpu_kernel.library = saved
+
+
+IMPLS = pytest.mark.parametrize("impl", ["kernel", "stock"])
+
+
 def row_and_batch(draw_data, max_rows: int):
     rows = draw_data.draw(st.integers(1, max_rows), label="rows")
     pos = draw_data.draw(st.integers(0, rows - 1), label="pos")
@@ -136,6 +155,7 @@ ROW_OPS = {
 }
 
 
+@IMPLS
 @FAST
 @given(
     data=st.data(),
@@ -143,7 +163,12 @@ ROW_OPS = {
     width=st.sampled_from([1, 7, 32, 128, 1000, 4099]),
     dtype=st.sampled_from(["fp32", "bf16"]),
 )
-def test_invariant_row_ops_are_batch_invariant(data, op, width, dtype):
+def test_invariant_row_ops_are_batch_invariant(data, op, width, dtype, impl):
+    with kernel_impl(impl):
+        _row_op_is_batch_invariant(data, op, width, dtype)
+
+
+def _row_op_is_batch_invariant(data, op, width, dtype):
     rows, pos, gen = row_and_batch(data, 70)
     dt = DTYPES[dtype]
     weight = (1 + randn(gen, width, scale=0.1)).to(dt)
@@ -346,25 +371,6 @@ def reference_attention(seq: Seq) -> torch.Tensor:
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-@contextlib.contextmanager
-def attention_impl(impl: str):
-    """Run the CPU's invariant attention on the C kernel ("kernel") or on the stock-op fallback
-    that a machine without a C compiler uses ("stock"): both must keep every guarantee."""
-    if impl == "kernel":
-        if cpu_kernel.library() is None:
-            pytest.skip(f"the C attention kernel is not in use: {cpu_kernel.kernel_status()}")
-        yield
-        return
-    saved, cpu_kernel.library = cpu_kernel.library, lambda: None
-    try:
-        yield
-    finally:
-        cpu_kernel.library = saved
-
-
-IMPLS = pytest.mark.parametrize("impl", ["kernel", "stock"])
-
-
 attn_shapes = st.tuples(
     st.sampled_from([1, 2, 4]),  # GQA group
     st.sampled_from([1, 2]),  # kv heads
@@ -389,7 +395,7 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @SLOW
 @given(data=st.data(), shape=attn_shapes)
 def test_invariant_attention_prefill_decode_chunked(data, shape, impl):
-    with attention_impl(impl):
+    with kernel_impl(impl):
         _invariant_attention_prefill_decode_chunked(data, shape)
 
 
@@ -412,7 +418,7 @@ def _invariant_attention_prefill_decode_chunked(data, shape):
 @SLOW
 @given(data=st.data(), shape=attn_shapes)
 def test_invariant_attention_batch_composition(data, shape, impl):
-    with attention_impl(impl):
+    with kernel_impl(impl):
         _invariant_attention_batch_composition(data, shape)
 
 
@@ -449,7 +455,7 @@ def _invariant_attention_batch_composition(data, shape):
 @SLOW
 @given(data=st.data(), shape=attn_shapes)
 def test_invariant_attention_continuous_batching(data, shape, impl):
-    with attention_impl(impl):
+    with kernel_impl(impl):
         _invariant_attention_continuous_batching(data, shape)
 
 
@@ -820,7 +826,7 @@ def test_bucketed_attention_equals_one_padded_matmul(data, shape, chunk_bytes):
 
     invariant_attention.CHUNK_BYTES, saved = chunk_bytes, invariant_attention.CHUNK_BYTES
     try:
-        with attention_impl("stock"):  # buckets are the stock-op path's (the C kernel needs none)
+        with kernel_impl("stock"):  # buckets are the stock-op path's (the C kernel needs none)
             _bucketed_equals_single(data, shape)
     finally:
         invariant_attention.CHUNK_BYTES = saved
@@ -857,7 +863,7 @@ def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
     q = torch.cat([seqs[i].q[s : s + n] for i, s, n in chunks])
     nx = INVARIANT
     assert len(invariant_attention._buckets(meta, key_bytes=2 * 32 * 4)) == 2
-    with attention_impl("stock"):
+    with kernel_impl("stock"):
         bucketed = nx.attention(q, run.k_cache, run.v_cache, meta, run.scale)
     single = invariant_attention._attention_rows(q, run.k_cache, run.v_cache, meta, run.scale)
     assert torch.equal(bucketed[:21], single[:21])

@@ -1,12 +1,14 @@
-"""The CPU's own invariant kernel: causal attention over the paged KV cache, in C
-(`csrc/attention.c`), compiled on first use with the system's C compiler and loaded with ctypes.
+"""The CPU's own invariant kernels, in C (`csrc/kernels.c`): causal attention over the paged KV
+cache (forward and training backward) and RMSNorm, compiled on first use with the system's C
+compiler and loaded with ctypes.
 
 Why a kernel of our own: built from stock ops, invariant attention must gather every sequence's
 K and V out of the paged cache into fp32 matmul layout, once per layer and step, and fold P @ V
 in 16-key GEMMs; at decode that is most of a step. The kernel reads the cache blocks in place and
 computes each (token, KV head) on its own, in one fixed order, so its bits cannot depend on the
-batch (see the C file's header). The trainer's forward runs the same kernel; its backward is the
-plain softmax-attention math of rzero/ops/invariant_attention.py.
+batch (see the C file's header). The trainer's forward runs the same kernel; its backward is
+plain softmax-attention math, in C as well. RMSNorm is one pass per row instead of seven tensor
+ops, which on short rows are mostly dispatch.
 
 The shared library is built once per source, flags and CPU (`-march=native`: the kernel's bits
 do not depend on it, fmaf is exact by definition, only its speed does) into the cache directory
@@ -34,7 +36,7 @@ import torch
 
 from rzero.ops.attention_meta import AttentionMeta
 
-SOURCE = Path(__file__).with_name("csrc") / "attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread")
 _NOT_IN_USE: list[str] = []  # why library() returned None
 
@@ -81,7 +83,7 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     key = hashlib.sha256(
         b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
-    target = (cache_dir or _cache_dir()) / f"rzero_attention_{key}.so"
+    target = (cache_dir or _cache_dir()) / f"rzero_kernels_{key}.so"
     if not target.exists():
         _build(compiler, flags, target)
     lib = ctypes.CDLL(str(target))
@@ -92,6 +94,8 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     lib.rz_attention_backward.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64,
                                           ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
     lib.rz_attention_backward.restype = ctypes.c_int
+    lib.rz_rms_norm.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.rz_rms_norm.restype = ctypes.c_int
     return lib
 
 
@@ -191,3 +195,22 @@ def attention_backward(
         dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads() if distinct else 1,
     ))
     return dq, dk, dv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x (fp32 or bf16; weight of the same dtype), in one fixed order
+    per row (csrc/kernels.c). A 2-D or 3-D view whose last dim is contiguous (a column slice
+    of a fused projection) is read in place; the output is contiguous."""
+    lib = lib or library()
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
+        raise TypeError(f"CPU rms_norm kernel: x {x.dtype}, weight {weight.dtype}; needs both fp32 or both bf16")
+    shape, n = x.shape, x.shape[-1]
+    if x.stride(-1) != 1 or x.dim() > 3:
+        x = x.contiguous().view(-1, n)
+    if x.dim() == 1:
+        x = x.view(1, n)
+    rows = (1, x.shape[0], 0, x.stride(0)) if x.dim() == 2 else (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
+    out = torch.empty(shape, dtype=x.dtype)
+    weight = weight.contiguous()
+    _check(lib.rz_rms_norm(x.data_ptr(), x.dtype == torch.bfloat16, *rows, n, weight.data_ptr(), eps, out.data_ptr()))
+    return out

@@ -14,7 +14,8 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   proves they give a 16-row tile's bits (`big_tiles`); decode-size inputs on bf16 weights with
   K >= 1024 run on a oneDNN-prepacked weight where a probe proves the same bits (`prepack_proven`).
   The backward is plain (F.linear's math).
-- row reductions (norms, softmax): each row is reduced by one thread in a fixed vectorised order,
+- rms_norm: our C kernel (rzero/ops/cpu_kernel.py), one fixed order per row. Without a compiler,
+  and for softmax: each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
   padding rows to ROW_TILE rules that out.
 - elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
@@ -32,6 +33,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from rzero.ops import cpu_kernel
 from rzero.ops.invariant_attention import attention  # noqa: F401  (one op of this numerics)
 
 ROW_TILE = 16
@@ -232,7 +234,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _linear_forward(x, weight, may_prepack=True)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """The C kernel's forward (the engine's bits); plain RMSNorm math backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return cpu_kernel.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        xf, g = x.float(), grad.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        normed = xf * r
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gn = g * weight.float()
+            grad_x = (r * (gn - normed * (gn * normed).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if cpu_kernel.library() is not None and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        # One C pass per row instead of seven tensor ops (rzero/ops/cpu_kernel.py).
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _RMSNorm.apply(x, weight, eps)
+        return cpu_kernel.rms_norm(x, weight, eps)
+    # Stock ops (no C compiler): rows padded to ROW_TILE, see the module docstring.
     x2, rows = _pad_rows(x)
     xf = x2.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

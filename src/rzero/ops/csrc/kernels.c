@@ -316,3 +316,53 @@ int rz_attention_backward(const void *q, int q_bf16, const void *k_cache, const 
     for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------------
+   RMSNorm forward, one row at a time in one fixed order (the training backward is plain torch
+   math): sum of squares as a 16-lane dot product (above), mean = sum / N, r = 1 / sqrt(mean +
+   eps), normed = x * r rounded to the input dtype, out = weight * normed in that dtype. Rows are
+   (outer, inner) with their own strides, so a (tokens, heads, head_dim) view of a fused
+   projection needs no copy. */
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t stride_outer, int64_t stride_inner,
+                int64_t N, const void *weight, float eps, void *out) {
+    const int64_t Np = (N + LANES - 1) / LANES * LANES;
+    float *row = calloc((size_t)Np, sizeof(float));
+    float *w = malloc(sizeof(float) * (size_t)N);
+    if (!row || !w) {
+        free(row);
+        free(w);
+        return 1;
+    }
+    load_row(weight, bf16, 0, N, w);
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t i = 0; i < inner; i++) {
+            load_row(x, bf16, o * stride_outer + i * stride_inner, N, row);
+            const float r = 1.0f / sqrtf(dot(row, row, Np) / (float)N + eps);
+            const int64_t dst = (o * inner + i) * N;
+            if (bf16) {
+                uint16_t *restrict o16 = (uint16_t *)out + dst;
+                for (int64_t d = 0; d < N; d++) {
+                    uint32_t bits = (uint32_t)float_to_bf16(row[d] * r) << 16;
+                    float normed;
+                    memcpy(&normed, &bits, sizeof normed);
+                    o16[d] = float_to_bf16(w[d] * normed);
+                }
+            } else {
+                float *restrict o32 = (float *)out + dst;
+                for (int64_t d = 0; d < N; d++) o32[d] = w[d] * (row[d] * r);
+            }
+        }
+    }
+    free(row);
+    free(w);
+    return 0;
+}
