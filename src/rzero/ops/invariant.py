@@ -187,23 +187,36 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = F
     prepacked copy of the weight; a weight in training changes every step and is never packed."""
     x2, rows = _pad_rows(x)
     wt = gemm_operand(weight)
-    sizes = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads()) if len(x2) >= BIG_TILES[-1] else ()
-    sizes = [size for size in sizes if size <= len(x2)]
-    if not sizes:  # decode batches and small weights' short inputs: 16-row tiles only
-        packed = _prepacked(weight) if may_prepack and _prepack_pays(wt) else None
-        out = _small_tiles(x2, wt) if packed is None else torch.cat([_onednn_tile(t, packed) for t in x2.split(ROW_TILE)])
-        return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
-    # Bulk rows in the largest proven tiles (one mm each), the rest in ROW_TILE tiles: every row
-    # gets a ROW_TILE tile's bits whichever tile it lands in.
-    out = x2.new_empty(x2.shape[0], wt.shape[1])
+    total = x2.shape[0]
+    out = x2.new_empty(total, wt.shape[1])
+    # Bulk rows in the largest proven tiles (one mm each): every row gets a ROW_TILE tile's bits
+    # whichever tile it lands in. Leftover rows (more than one ROW_TILE) go in one proven tile
+    # padded with zero rows where that at most doubles their rows: one GEMM call instead of
+    # several, whose fixed cost (~20 us per bf16 oneDNN call here) dominates small shapes.
     start = 0
-    for size in sizes:
-        end = start + (x2.shape[0] - start) // size * size
+    proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
+    for size in proven:
+        end = start + (total - start) // size * size
         for s in range(start, end, size):
             _big_tile_mm(x2[s : s + size], wt, out[s : s + size])
-        start = end
-    if start < x2.shape[0]:
-        _small_tiles(x2[start:], wt, out[start:])
+        start, left = end, total - end
+        pad = ROW_TILE < left <= size <= 2 * left and left not in proven
+        if pad and not (start == 0 and may_prepack and _prepack_pays(wt)):
+            padded = x2.new_zeros(size, x2.shape[1])
+            padded[:left] = x2[start:]
+            result = x2.new_empty(size, wt.shape[1])
+            _big_tile_mm(padded, wt, result)
+            if start == 0:  # the whole input was one padded tile: its rows are the output
+                return result[:rows].reshape(*x.shape[:-1], weight.shape[0])
+            out[start:] = result[:left]
+            start = total
+            break
+    if start < total:
+        packed = _prepacked(weight) if start == 0 and may_prepack and _prepack_pays(wt) else None
+        if packed is not None:  # decode batches on large bf16 weights (see PREPACK_MIN_K)
+            out = torch.cat([_onednn_tile(t, packed) for t in x2.split(ROW_TILE)])
+        else:
+            _small_tiles(x2[start:], wt, out[start:])
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
