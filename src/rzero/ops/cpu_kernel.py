@@ -96,6 +96,8 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     lib.rz_attention_backward.restype = ctypes.c_int
     lib.rz_rms_norm.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr]
     lib.rz_rms_norm.restype = ctypes.c_int
+    lib.rz_rms_norm_backward.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr]
+    lib.rz_rms_norm_backward.restype = ctypes.c_int
     return lib
 
 
@@ -197,20 +199,47 @@ def attention_backward(
     return dq, dk, dv
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim of x (fp32 or bf16; weight of the same dtype), in one fixed order
-    per row (csrc/kernels.c). A 2-D or 3-D view whose last dim is contiguous (a column slice
-    of a fused projection) is read in place; the output is contiguous."""
-    lib = lib or library()
-    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
-        raise TypeError(f"CPU rms_norm kernel: x {x.dtype}, weight {weight.dtype}; needs both fp32 or both bf16")
-    shape, n = x.shape, x.shape[-1]
+def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """x as rows of its last dim: (tensor, (outer, inner, outer stride, inner stride)). A 2-D or 3-D
+    view whose last dim is contiguous (a column slice of a fused projection) is read in place."""
+    n = x.shape[-1]
     if x.stride(-1) != 1 or x.dim() > 3:
         x = x.contiguous().view(-1, n)
     if x.dim() == 1:
         x = x.view(1, n)
-    rows = (1, x.shape[0], 0, x.stride(0)) if x.dim() == 2 else (x.shape[0], x.shape[1], x.stride(0), x.stride(1))
-    out = torch.empty(shape, dtype=x.dtype)
+    return x, ((1, x.shape[0], 0, x.stride(0)) if x.dim() == 2 else (x.shape[0], x.shape[1], x.stride(0), x.stride(1)))
+
+
+def _norm_dtypes(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
+        raise TypeError(f"CPU rms_norm kernel: x {x.dtype}, weight {weight.dtype}; needs both fp32 or both bf16")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x (fp32 or bf16; weight of the same dtype), in one fixed order
+    per row (csrc/kernels.c); the output is contiguous."""
+    lib = lib or library()
+    _norm_dtypes(x, weight)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rows, layout = _row_layout(x)
     weight = weight.contiguous()
-    _check(lib.rz_rms_norm(x.data_ptr(), x.dtype == torch.bfloat16, *rows, n, weight.data_ptr(), eps, out.data_ptr()))
+    _check(lib.rz_rms_norm(rows.data_ptr(), x.dtype == torch.bfloat16, *layout, x.shape[-1], weight.data_ptr(), eps,
+                           out.data_ptr()))
     return out
+
+
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor, want_x: bool, want_w: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients (in x's and weight's dtypes) of RMSNorm for the output gradient `grad`."""
+    _norm_dtypes(x, weight)
+    rows, layout = _row_layout(x)
+    weight = weight.contiguous()
+    grad = grad.float().contiguous()
+    grad_x = torch.empty(x.shape, dtype=torch.float32) if want_x else None
+    grad_w = torch.zeros(x.shape[-1], dtype=torch.float32) if want_w else None
+    _check(library().rz_rms_norm_backward(
+        rows.data_ptr(), x.dtype == torch.bfloat16, *layout, x.shape[-1], weight.data_ptr(), eps, grad.data_ptr(),
+        None if grad_x is None else grad_x.data_ptr(), None if grad_w is None else grad_w.data_ptr(),
+    ))
+    return (None if grad_x is None else grad_x.to(x.dtype)), (None if grad_w is None else grad_w.to(weight.dtype))

@@ -248,7 +248,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """The C kernel's forward (the engine's bits); plain RMSNorm math backward."""
+    """The C kernel's forward (the engine's bits) and backward (plain RMSNorm math, in C too)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -259,15 +259,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        xf, g = x.float(), grad.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        normed = xf * r
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            gn = g * weight.float()
-            grad_x = (r * (gn - normed * (gn * normed).mean(-1, keepdim=True))).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        grad_x, grad_w = cpu_kernel.rms_norm_backward(x, weight, ctx.eps, grad, *ctx.needs_input_grad[:2])
         return grad_x, grad_w, None
 
 

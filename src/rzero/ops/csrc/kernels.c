@@ -366,3 +366,40 @@ int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t s
     free(w);
     return 0;
 }
+
+/* RMSNorm backward (training only: the right gradients, no invariance needed). grad rows are
+   contiguous fp32; grad_x (fp32, contiguous) and grad_w (fp32, N, zeroed by the caller: the rows
+   are summed into it in order) are written only when wanted. */
+int rz_rms_norm_backward(const void *x, int bf16, int64_t outer, int64_t inner, int64_t stride_outer,
+                         int64_t stride_inner, int64_t N, const void *weight, float eps, const float *grad,
+                         float *grad_x, float *grad_w) {
+    const int64_t Np = (N + LANES - 1) / LANES * LANES;
+    float *row = calloc((size_t)Np, sizeof(float));
+    float *w = malloc(sizeof(float) * (size_t)N);
+    if (!row || !w) {
+        free(row);
+        free(w);
+        return 1;
+    }
+    load_row(weight, bf16, 0, N, w);
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t i = 0; i < inner; i++) {
+            load_row(x, bf16, o * stride_outer + i * stride_inner, N, row);
+            const float r = 1.0f / sqrtf(dot(row, row, Np) / (float)N + eps);
+            const float *restrict g = grad + (o * inner + i) * N;
+            for (int64_t d = 0; d < N; d++) row[d] *= r; /* normed */
+            if (grad_w)
+                for (int64_t d = 0; d < N; d++) grad_w[d] += g[d] * row[d];
+            if (grad_x) {
+                float projection = 0.0f;
+                for (int64_t d = 0; d < N; d++) projection += g[d] * w[d] * row[d];
+                projection /= (float)N;
+                float *restrict gx = grad_x + (o * inner + i) * N;
+                for (int64_t d = 0; d < N; d++) gx[d] = r * (g[d] * w[d] - row[d] * projection);
+            }
+        }
+    }
+    free(row);
+    free(w);
+    return 0;
+}
