@@ -159,3 +159,14 @@ def test_rms_norm_gradients_match_the_reference():
     (reference * upstream.double()).sum().backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_an_unwritable_cache_directory_falls_back_to_the_temporary_one(tmp_path):
+    import tempfile
+    from pathlib import Path
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    lib = cpu_kernel.load(PORTABLE, cache_dir=blocker / "kernels")  # mkdir under a file fails
+    assert Path(lib._name).parent.parent == Path(tempfile.gettempdir())

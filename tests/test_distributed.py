@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from rzero.rollout.ray_backend import ACTOR_PREFIX  # noqa: E402
 from rzero.run.loop import train  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_process_backend import SRC, every_group_once, run_killing_a_worker, same_but_timing, sync_config  # noqa: E402
+from test_process_backend import SRC, every_group_once, same_but_timing, sync_config  # noqa: E402
 
 
 class DigitSevenEnv(ArithmeticEnv):
@@ -34,6 +35,33 @@ class DigitSevenEnv(ArithmeticEnv):
 
     def reward(self, task, completion):
         return 1.0 if "7" in completion else 0.0
+
+
+def run_killing_a_worker(config, run_dir, worker_pid, timeout: float = 60, runner=None) -> tuple[list[dict], list[int]]:
+    """Run `config` (with `runner`, default `run`) while a side thread kills one worker
+    (`worker_pid()`: its pid, or None while there is none yet) with SIGKILL once step 0 is
+    written; (metrics rows, killed pids)."""
+    killed: list[int] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            path = run_dir / "metrics.jsonl"
+            if path.is_file() and len(path.read_text().splitlines()) >= 1 and (pid := worker_pid()) is not None:
+                time.sleep(0.1)  # into step 1's sampling
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    side = threading.Thread(target=killer, daemon=True)
+    side.start()
+    rows = (runner or run)(config, run_dir)
+    side.join(timeout=5)
+    assert killed, "the side thread never killed a worker"
+    assert rows[-1]["rollout/worker_restarts"] >= 1, (killed, [(m["step"], m["rollout/worker_restarts"]) for m in rows])
+    every_group_once(rows)
+    return rows, killed
 
 
 @pytest.fixture(scope="module")

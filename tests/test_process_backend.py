@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -112,41 +111,33 @@ def test_sync_run_in_processes_is_bitwise_the_thread_run_and_leaves_no_worker(lo
     assert worker_pids(os.getpid()) == []  # both workers ended with the run
 
 
-def run_killing_a_worker(config, run_dir, worker_pid, timeout: float = 60, runner=None) -> tuple[list[dict], list[int]]:
-    """Run `config` (with `runner`, default `run`) while a side thread kills one worker
-    (`worker_pid()`: its pid, or None while there is none yet) with SIGKILL once step 0 is
-    written; (metrics rows, killed pids)."""
-    killed: list[int] = []
+class DiesOnceEnv(DigitSevenEnv):
+    """SIGKILLs its own rollout worker process while grading the first sample of group
+    `PROMPTS + 1` (step 1), once per run (the marker file): a kill -9 that always lands with groups
+    in flight, however slow the machine. (A kill from outside, timed by the clock, can land after
+    the last step on a loaded machine, and then nothing is left to restart.)"""
 
-    def killer() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            path = run_dir / "metrics.jsonl"
-            if path.is_file() and len(path.read_text().splitlines()) >= 1 and (pid := worker_pid()) is not None:
-                time.sleep(0.1)  # into step 1's sampling
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
-            time.sleep(0.05)
+    def __init__(self, marker: Path):
+        super().__init__()
+        self.marker = str(marker)
 
-    side = threading.Thread(target=killer, daemon=True)
-    side.start()
-    rows = (runner or run)(config, run_dir)
-    side.join(timeout=5)
-    assert killed, "the side thread never killed a worker"
-    assert rows[-1]["rollout/worker_restarts"] >= 1, (killed, [(m["step"], m["rollout/worker_restarts"]) for m in rows])
-    every_group_once(rows)
-    return rows, killed
+    def reward(self, task, completion):
+        if task.index == PROMPTS + 1 and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().reward(task, completion)
 
 
 def test_killed_worker_process_is_restarted_and_no_group_is_lost_or_trained_twice(local_sync, tmp_path):
-    # Rewards arrive 0.5 s after each episode: the kill lands while groups are in flight.
-    config = sync_config("rollout.backend=process", "rollout.workers=2", "env.rollout_delay_s=0.5")
-    first_of_two = lambda: pids[0] if len(pids := worker_pids(os.getpid())) == 2 else None  # noqa: E731
-    rows, _ = run_killing_a_worker(config, tmp_path / "run", first_of_two)
+    config = sync_config("rollout.backend=process", "rollout.workers=2")
+    rows = run(config, tmp_path / "run", env=DiesOnceEnv(tmp_path / "died"))
+    assert (tmp_path / "died").is_file(), "the worker never reached the group that kills it"
+    assert [m["rollout/worker_restarts"] for m in rows] == [0.0] + [1.0] * (STEPS - 1)
+    every_group_once(rows)
     # Sync: a group sampled again after the kill has the same weights and seed, so the run is
     # still the thread run, number for number (the new worker loaded the weights again).
     same_but_timing(local_sync, rows, also=("rollout/worker_restarts",))
+    assert worker_pids(os.getpid()) == []
 
 
 def test_an_error_in_a_worker_reaches_the_trainer_with_its_traceback(tmp_path):

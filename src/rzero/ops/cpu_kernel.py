@@ -83,9 +83,15 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     key = hashlib.sha256(
         b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
-    target = (cache_dir or _cache_dir()) / f"rzero_kernels_{key}.so"
+    name = f"rzero_kernels_{key}.so"
+    target = (cache_dir or _cache_dir()) / name
     if not target.exists():
-        _build(compiler, flags, target)
+        try:
+            _build(compiler, flags, target)
+        except OSError:  # an unwritable cache directory: build into this user's temporary one
+            target = Path(tempfile.gettempdir()) / f"rzero-kernels-{os.getuid()}" / name
+            if not target.exists():
+                _build(compiler, flags, target)
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rz_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr,
