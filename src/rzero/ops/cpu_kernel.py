@@ -178,10 +178,12 @@ def attention(
 
 
 def attention_backward(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float, grad: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float, grad: torch.Tensor,
+    lib: ctypes.CDLL | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (fp32) of q, k_cache and v_cache for the output gradient `grad` (tokens, H, D):
     plain softmax-attention math, probabilities recomputed, rows past meta.num_tokens get 0."""
+    lib = lib or library()
     _checked_dtypes(q, k_cache, v_cache)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     grad = grad.float().contiguous()
@@ -196,7 +198,7 @@ def attention_backward(
     dq = torch.zeros(q.shape[0], *q.shape[1:], dtype=torch.float32)
     dk = torch.zeros(k_cache.shape, dtype=torch.float32)
     dv = torch.zeros(v_cache.shape, dtype=torch.float32)
-    _check(library().rz_attention_backward(
+    _check(lib.rz_attention_backward(
         q.data_ptr(), q.dtype == torch.bfloat16, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
         tables.data_ptr(), tables.shape[1], seq.data_ptr(), pos.data_ptr(), starts.data_ptr(), len(meta.q_lens),
         grad.data_ptr(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,

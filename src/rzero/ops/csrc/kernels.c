@@ -38,6 +38,23 @@ static inline void load_row(const void *base, int bf16, int64_t offset, int64_t 
     }
 }
 
+/* Row `offset` of a K or V cache as Dp fp32 values: read in place when the cache is fp32 and D a
+   whole number of lane groups, else converted (or copied and zero-padded) into buf. */
+static inline const float *cache_row(const void *cache, int bf16, int64_t offset, int64_t D, int64_t Dp, float *buf) {
+    if (!bf16 && D == Dp) return (const float *)cache + offset;
+    load_row(cache, bf16, offset, D, buf);
+    return buf;
+}
+
+/* offsets[j] = cache offset of key position j < n of a sequence (block table `table`), KV head h. */
+static inline void key_offsets(const int64_t *table, int64_t n, int64_t block, int64_t Hkv, int64_t h, int64_t D,
+                               int64_t *restrict offsets) {
+    for (int64_t j0 = 0; j0 < n; j0 += block) {
+        const int64_t first = table[j0 / block] * block, end = j0 + block < n ? j0 + block : n;
+        for (int64_t j = j0; j < end; j++) offsets[j] = ((first + j - j0) * Hkv + h) * D;
+    }
+}
+
 #if defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
 /* The same 16 lanes and tree as the portable version below, in two 8-wide registers. */
@@ -115,7 +132,8 @@ static void *run_job(void *arg) {
     float *acc = malloc(sizeof(float) * (size_t)(G * Dp));
     float *row = calloc((size_t)Dp, sizeof(float));
     float *sums = malloc(sizeof(float) * (size_t)G);
-    if (!scores || !q || !acc || !row || !sums) {
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
+    if (!scores || !q || !acc || !row || !sums || !offsets) {
         job->status = 1;
         goto done;
     }
@@ -127,9 +145,10 @@ static void *run_job(void *arg) {
             load_row(job->q, job->q_bf16, (t * H + h * G + g) * D, D, qg);
             for (int64_t d = 0; d < D; d++) qg[d] *= job->scale;
         }
+        key_offsets(table, n, block, Hkv, h, D, offsets);
         for (int64_t j = 0; j < n; j++) {
-            load_row(job->k_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
-            for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot(q + g * Dp, row, Dp);
+            const float *key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
+            for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot(q + g * Dp, key, Dp);
         }
         for (int64_t g = 0; g < G; g++) {
             float *restrict s = scores + g * n;
@@ -141,8 +160,8 @@ static void *run_job(void *arg) {
         }
         memset(acc, 0, sizeof(float) * (size_t)(G * Dp));
         for (int64_t j = 0; j < n; j++) {
-            load_row(job->v_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
-            for (int64_t g = 0; g < G; g++) axpy(acc + g * Dp, scores[g * n + j], row, Dp);
+            const float *value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
+            for (int64_t g = 0; g < G; g++) axpy(acc + g * Dp, scores[g * n + j], value, Dp);
         }
         for (int64_t g = 0; g < G; g++) {
             float *restrict dst = job->out + (t * H + h * G + g) * D;
@@ -155,6 +174,7 @@ done:
     free(acc);
     free(row);
     free(sums);
+    free(offsets);
     return NULL;
 }
 
@@ -224,7 +244,8 @@ static void *run_backward(void *arg) {
     float *dq = malloc(sizeof(float) * (size_t)(G * Dp));
     float *row = calloc((size_t)Dp, sizeof(float));
     float *weighted = malloc(sizeof(float) * (size_t)G);
-    if (!p || !dp || !q || !go || !dq || !row || !weighted) {
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
+    if (!p || !dp || !q || !go || !dq || !row || !weighted || !offsets) {
         job->status = 1;
         goto done;
     }
@@ -239,10 +260,11 @@ static void *run_backward(void *arg) {
                 for (int64_t d = 0; d < D; d++) q[g * Dp + d] *= job->scale;
                 memcpy(go + g * Dp, job->grad + qrow, sizeof(float) * (size_t)D);
             }
+            key_offsets(table, n, block, Hkv, h, D, offsets);
             /* Scores, then probabilities, as in the forward (up to the division's rounding). */
             for (int64_t j = 0; j < n; j++) {
-                load_row(job->k_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
-                for (int64_t g = 0; g < G; g++) p[g * n + j] = dot(q + g * Dp, row, Dp);
+                const float *key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
+                for (int64_t g = 0; g < G; g++) p[g * n + j] = dot(q + g * Dp, key, Dp);
             }
             for (int64_t g = 0; g < G; g++) {
                 float *pg = p + g * n, top = pg[0], sum = 0.0f;
@@ -255,19 +277,19 @@ static void *run_backward(void *arg) {
             }
             /* dP = dO . v_j and the softmax backward's row term sum_j p_j dP_j. */
             for (int64_t j = 0; j < n; j++) {
-                load_row(job->v_cache, job->kv_bf16, ((table[j / block] * block + j % block) * Hkv + h) * D, D, row);
+                const float *value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
                 for (int64_t g = 0; g < G; g++) {
-                    dp[g * n + j] = dot(go + g * Dp, row, Dp);
+                    dp[g * n + j] = dot(go + g * Dp, value, Dp);
                     weighted[g] += p[g * n + j] * dp[g * n + j];
                 }
             }
             memset(dq, 0, sizeof(float) * (size_t)(G * Dp));
             for (int64_t j = 0; j < n; j++) {
-                const int64_t kv = ((table[j / block] * block + j % block) * Hkv + h) * D;
-                load_row(job->k_cache, job->kv_bf16, kv, D, row);
+                const int64_t kv = offsets[j];
+                const float *key = cache_row(job->k_cache, job->kv_bf16, kv, D, Dp, row);
                 for (int64_t g = 0; g < G; g++) {
                     const float pj = p[g * n + j], ds = pj * (dp[g * n + j] - weighted[g]);
-                    axpy(dq + g * Dp, ds, row, D);
+                    axpy(dq + g * Dp, ds, key, D);
                     axpy(job->dk + kv, ds, q + g * Dp, D);
                     axpy(job->dv + kv, pj, go + g * Dp, D);
                 }
@@ -284,6 +306,7 @@ done:
     free(dq);
     free(row);
     free(weighted);
+    free(offsets);
     return NULL;
 }
 
