@@ -38,14 +38,6 @@ static inline void load_row(const void *base, int bf16, int64_t offset, int64_t 
     }
 }
 
-/* Row `offset` of a K or V cache as Dp fp32 values: read in place when the cache is fp32 and D a
-   whole number of lane groups, else converted (or copied and zero-padded) into buf. */
-static inline const float *cache_row(const void *cache, int bf16, int64_t offset, int64_t D, int64_t Dp, float *buf) {
-    if (!bf16 && D == Dp) return (const float *)cache + offset;
-    load_row(cache, bf16, offset, D, buf);
-    return buf;
-}
-
 /* offsets[j] = cache offset of key position j < n of a sequence (block table `table`), KV head h. */
 static inline void key_offsets(const int64_t *table, int64_t n, int64_t block, int64_t Hkv, int64_t h, int64_t D,
                                int64_t *restrict offsets) {
@@ -83,6 +75,69 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 
 static inline void axpy(float *restrict acc, float e, const float *restrict x, int64_t Dp) {
     for (int64_t d = 0; d < Dp; d++) acc[d] = fmaf(e, x[d], acc[d]);
+}
+
+/* bf16 -> fp32 of one element: exact (the 16 bits become the high half of the fp32 word). */
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* dot() with b a bf16 row widened on the fly: the same lanes, order and tree, so the same bits. */
+static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t Dp) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t d = 0; d < Dp; d += LANES) {
+        const __m256i wide_lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + d))), 16);
+        const __m256i wide_hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + d + 8))), 16);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_castsi256_ps(wide_lo), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_castsi256_ps(wide_hi), hi);
+    }
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#else
+static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t Dp) {
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < Dp; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[d + l], bf16_value(b[d + l]), acc[l]);
+    for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
+    for (int l = 0; l < 2; l++) acc[l] += acc[l + 2];
+    return acc[0] + acc[1];
+}
+#endif
+
+static inline void axpy_bf16(float *restrict acc, float e, const uint16_t *restrict x, int64_t Dp) {
+    for (int64_t d = 0; d < Dp; d++) acc[d] = fmaf(e, bf16_value(x[d]), acc[d]);
+}
+
+/* A K or V cache row as the kernels read it: in place (fp32, or bf16 widened on the fly) when D is
+   a whole number of lane groups, else converted and zero-padded to Dp fp32 values in a buffer. */
+typedef struct {
+    const float *f32;
+    const uint16_t *b16;
+} Row;
+
+static inline Row cache_row(const void *cache, int bf16, int64_t offset, int64_t D, int64_t Dp, float *buf) {
+    if (D == Dp) return bf16 ? (Row){NULL, (const uint16_t *)cache + offset} : (Row){(const float *)cache + offset, NULL};
+    load_row(cache, bf16, offset, D, buf);
+    return (Row){buf, NULL};
+}
+
+static inline float dot_row(const float *restrict a, Row row, int64_t Dp) {
+    return row.b16 ? dot_bf16(a, row.b16, Dp) : dot(a, row.f32, Dp);
+}
+
+static inline void axpy_row(float *restrict acc, float e, Row row, int64_t Dp) {
+    if (row.b16)
+        axpy_bf16(acc, e, row.b16, Dp);
+    else
+        axpy(acc, e, row.f32, Dp);
 }
 
 /* exp(x) for x <= 0 (scores minus their max): Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2,
@@ -147,8 +202,8 @@ static void *run_job(void *arg) {
         }
         key_offsets(table, n, block, Hkv, h, D, offsets);
         for (int64_t j = 0; j < n; j++) {
-            const float *key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
-            for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot(q + g * Dp, key, Dp);
+            const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
+            for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot_row(q + g * Dp, key, Dp);
         }
         for (int64_t g = 0; g < G; g++) {
             float *restrict s = scores + g * n;
@@ -160,8 +215,8 @@ static void *run_job(void *arg) {
         }
         memset(acc, 0, sizeof(float) * (size_t)(G * Dp));
         for (int64_t j = 0; j < n; j++) {
-            const float *value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
-            for (int64_t g = 0; g < G; g++) axpy(acc + g * Dp, scores[g * n + j], value, Dp);
+            const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
+            for (int64_t g = 0; g < G; g++) axpy_row(acc + g * Dp, scores[g * n + j], value, Dp);
         }
         for (int64_t g = 0; g < G; g++) {
             float *restrict dst = job->out + (t * H + h * G + g) * D;
@@ -263,8 +318,8 @@ static void *run_backward(void *arg) {
             key_offsets(table, n, block, Hkv, h, D, offsets);
             /* Scores, then probabilities, as in the forward (up to the division's rounding). */
             for (int64_t j = 0; j < n; j++) {
-                const float *key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
-                for (int64_t g = 0; g < G; g++) p[g * n + j] = dot(q + g * Dp, key, Dp);
+                const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
+                for (int64_t g = 0; g < G; g++) p[g * n + j] = dot_row(q + g * Dp, key, Dp);
             }
             for (int64_t g = 0; g < G; g++) {
                 float *pg = p + g * n, top = pg[0], sum = 0.0f;
@@ -277,19 +332,19 @@ static void *run_backward(void *arg) {
             }
             /* dP = dO . v_j and the softmax backward's row term sum_j p_j dP_j. */
             for (int64_t j = 0; j < n; j++) {
-                const float *value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
+                const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
                 for (int64_t g = 0; g < G; g++) {
-                    dp[g * n + j] = dot(go + g * Dp, value, Dp);
+                    dp[g * n + j] = dot_row(go + g * Dp, value, Dp);
                     weighted[g] += p[g * n + j] * dp[g * n + j];
                 }
             }
             memset(dq, 0, sizeof(float) * (size_t)(G * Dp));
             for (int64_t j = 0; j < n; j++) {
                 const int64_t kv = offsets[j];
-                const float *key = cache_row(job->k_cache, job->kv_bf16, kv, D, Dp, row);
+                const Row key = cache_row(job->k_cache, job->kv_bf16, kv, D, Dp, row);
                 for (int64_t g = 0; g < G; g++) {
                     const float pj = p[g * n + j], ds = pj * (dp[g * n + j] - weighted[g]);
-                    axpy(dq + g * Dp, ds, key, D);
+                    axpy_row(dq + g * Dp, ds, key, D);
                     axpy(job->dk + kv, ds, q + g * Dp, D);
                     axpy(job->dv + kv, pj, go + g * Dp, D);
                 }
