@@ -162,6 +162,64 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+/* The largest of s[0..n-1], softmax's shift, in 16 lanes. Its order is free: max is exact, and
+   the one choice order could change, +0 or -0 when both are the largest, shifts every score by
+   the same nothing (x - 0 == x - -0, and exp(+-0) == 1). */
+static inline float max_of(const float *restrict s, int64_t n) {
+    float lanes[LANES];
+    for (int l = 0; l < LANES; l++) lanes[l] = s[0];
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] = s[j + l] > lanes[l] ? s[j + l] : lanes[l];
+    float top = s[0];
+    for (int l = 0; l < LANES; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
+
+#if defined(__AVX512F__)
+/* out_a, out_b = sum over j < n in position order of e_a[j] * V_j and e_b[j] * V_j (fused
+   multiply-adds from zero): axpy_row's arithmetic, element for element, for two query heads at
+   once, with the sums held in registers (`chunks` = Dp / 16, a constant after inlining). */
+static inline __attribute__((always_inline)) void weighted_sum_pair(
+    int chunks, const float *restrict e_a, const float *restrict e_b, const void *v_cache, int bf16,
+    const int64_t *restrict offsets, int64_t n, float *restrict out_a, float *restrict out_b) {
+    __m512 a[8], b[8];
+    for (int c = 0; c < chunks; c++) a[c] = b[c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const __m512 wa = _mm512_set1_ps(e_a[j]), wb = _mm512_set1_ps(e_b[j]);
+        for (int c = 0; c < chunks; c++) {
+            const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                        (const __m256i *)((const uint16_t *)v_cache + offsets[j] + 16 * c))), 16))
+                                  : _mm512_loadu_ps((const float *)v_cache + offsets[j] + 16 * c);
+            a[c] = _mm512_fmadd_ps(wa, v, a[c]);
+            b[c] = _mm512_fmadd_ps(wb, v, b[c]);
+        }
+    }
+    for (int c = 0; c < chunks; c++) {
+        _mm512_storeu_ps(out_a + 16 * c, a[c]);
+        _mm512_storeu_ps(out_b + 16 * c, b[c]);
+    }
+}
+
+/* weighted_sum_pair for head dims of 32, 64 and 128 read in place; 0 if it does not apply. */
+static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b, const void *v_cache, int bf16,
+                                  const int64_t *offsets, int64_t n, float *out_a, float *out_b) {
+    switch (D) {
+    case 32: weighted_sum_pair(2, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b); return 1;
+    case 64: weighted_sum_pair(4, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b); return 1;
+    case 128: weighted_sum_pair(8, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b); return 1;
+    default: return 0;
+    }
+}
+#else
+static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b, const void *v_cache, int bf16,
+                                  const int64_t *offsets, int64_t n, float *out_a, float *out_b) {
+    (void)D, (void)e_a, (void)e_b, (void)v_cache, (void)bf16, (void)offsets, (void)n, (void)out_a, (void)out_b;
+    return 0;
+}
+#endif
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     int q_bf16, kv_bf16;
@@ -207,16 +265,33 @@ static void *run_job(void *arg) {
         }
         for (int64_t g = 0; g < G; g++) {
             float *restrict s = scores + g * n;
-            float top = s[0], sum = 0.0f;
-            for (int64_t j = 1; j < n; j++) top = s[j] > top ? s[j] : top;
+            const float top = max_of(s, n);
             for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
-            for (int64_t j = 0; j < n; j++) sum += s[j]; /* in position order: never reassociated */
-            sums[g] = sum;
         }
-        memset(acc, 0, sizeof(float) * (size_t)(G * Dp));
-        for (int64_t j = 0; j < n; j++) {
-            const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
-            for (int64_t g = 0; g < G; g++) axpy_row(acc + g * Dp, scores[g * n + j], value, Dp);
+        /* Softmax sums in position order (never reassociated), two heads at a time so that two
+           independent chains of additions overlap. */
+        for (int64_t g = 0; g < G; g += 2) {
+            const float *sa = scores + g * n, *sb = scores + (g + 1 < G ? g + 1 : g) * n;
+            float sum_a = 0.0f, sum_b = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                sum_a += sa[j];
+                sum_b += sb[j];
+            }
+            sums[g] = sum_a;
+            if (g + 1 < G) sums[g + 1] = sum_b;
+        }
+        int in_registers = 1;
+        for (int64_t g = 0; g < G && in_registers; g += 2) {
+            const int64_t g2 = g + 1 < G ? g + 1 : g; /* an odd last head is computed twice */
+            in_registers = weighted_sum_registers(D, scores + g * n, scores + g2 * n, job->v_cache, job->kv_bf16,
+                                                  offsets, n, acc + g * Dp, acc + g2 * Dp);
+        }
+        if (!in_registers) {
+            memset(acc, 0, sizeof(float) * (size_t)(G * Dp));
+            for (int64_t j = 0; j < n; j++) {
+                const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
+                for (int64_t g = 0; g < G; g++) axpy_row(acc + g * Dp, scores[g * n + j], value, Dp);
+            }
         }
         for (int64_t g = 0; g < G; g++) {
             float *restrict dst = job->out + (t * H + h * G + g) * D;
