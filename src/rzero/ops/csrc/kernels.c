@@ -397,8 +397,8 @@ static void *run_backward(void *arg) {
                 for (int64_t g = 0; g < G; g++) p[g * n + j] = dot_row(q + g * Dp, key, Dp);
             }
             for (int64_t g = 0; g < G; g++) {
-                float *pg = p + g * n, top = pg[0], sum = 0.0f;
-                for (int64_t j = 1; j < n; j++) top = pg[j] > top ? pg[j] : top;
+                float *pg = p + g * n, sum = 0.0f;
+                const float top = max_of(pg, n);
                 for (int64_t j = 0; j < n; j++) pg[j] = exp_nonpositive(pg[j] - top);
                 for (int64_t j = 0; j < n; j++) sum += pg[j];
                 const float inverse = 1.0f / sum;
@@ -413,15 +413,36 @@ static void *run_backward(void *arg) {
                     weighted[g] += p[g * n + j] * dp[g * n + j];
                 }
             }
-            memset(dq, 0, sizeof(float) * (size_t)(G * Dp));
+            /* dS = P (dP - row term), in place of dP. */
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < n; j++) dp[g * n + j] = p[g * n + j] * (dp[g * n + j] - weighted[g]);
+            /* dQ = dS K: the forward's weighted sum, with dS for weights and K for values. */
+            int in_registers = 1;
+            for (int64_t g = 0; g < G && in_registers; g += 2) {
+                const int64_t g2 = g + 1 < G ? g + 1 : g;
+                in_registers = weighted_sum_registers(D, dp + g * n, dp + g2 * n, job->k_cache, job->kv_bf16, offsets, n,
+                                                      dq + g * Dp, dq + g2 * Dp);
+            }
+            if (!in_registers) {
+                memset(dq, 0, sizeof(float) * (size_t)(G * Dp));
+                for (int64_t j = 0; j < n; j++) {
+                    const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
+                    for (int64_t g = 0; g < G; g++) axpy_row(dq + g * Dp, dp[g * n + j], key, D);
+                }
+            }
+            /* dK_j += sum_g dS_gj q_g and dV_j += sum_g P_gj dO_g: one pass over each row for all heads. */
             for (int64_t j = 0; j < n; j++) {
-                const int64_t kv = offsets[j];
-                const Row key = cache_row(job->k_cache, job->kv_bf16, kv, D, Dp, row);
-                for (int64_t g = 0; g < G; g++) {
-                    const float pj = p[g * n + j], ds = pj * (dp[g * n + j] - weighted[g]);
-                    axpy_row(dq + g * Dp, ds, key, D);
-                    axpy(job->dk + kv, ds, q + g * Dp, D);
-                    axpy(job->dv + kv, pj, go + g * Dp, D);
+                float *restrict dk = job->dk + offsets[j], *restrict dv = job->dv + offsets[j];
+                for (int64_t g = 0; g < G; g += 2) {
+                    const int64_t g2 = g + 1 < G ? g + 1 : g;
+                    const float ds_a = dp[g * n + j], ds_b = g2 != g ? dp[g2 * n + j] : 0.0f;
+                    const float p_a = p[g * n + j], p_b = g2 != g ? p[g2 * n + j] : 0.0f;
+                    const float *restrict qa = q + g * Dp, *restrict qb = q + g2 * Dp;
+                    const float *restrict ga = go + g * Dp, *restrict gb = go + g2 * Dp;
+                    for (int64_t d = 0; d < D; d++) {
+                        dk[d] = fmaf(ds_b, qb[d], fmaf(ds_a, qa[d], dk[d]));
+                        dv[d] = fmaf(p_b, gb[d], fmaf(p_a, ga[d], dv[d]));
+                    }
                 }
             }
             for (int64_t g = 0; g < G; g++)
