@@ -8,10 +8,15 @@
 
    - score = a length-D dot product in 16 lanes (lane l sums the d = l mod 16 terms in order of
      d, with fused multiply-adds), the lanes then added in a fixed tree (l + 8, + 4, + 2, + 1);
-   - softmax: exact max, exp by our own polynomial (the same bits whatever the vector width the
-     compiler picks), and a sequential sum over keys in position order;
-   - output = sum over keys in position order of e_j * v_j (fused multiply-add), divided by the
-     softmax sum at the end.
+   - softmax: exact max (in any order: see max_of), exp by our own polynomial (the same bits
+     whatever the vector width the compiler picks), and a sequential sum over keys in position
+     order;
+   - output = sum over keys in position order of e_j * v_j (fused multiply-adds from zero),
+     divided by the softmax sum at the end.
+
+   The layout of the work is free as long as each of these sums keeps its order: rows are read in
+   place (bf16 widened on the fly), the G query heads of a KV head share each key load, and the
+   weighted sums of two heads stay in registers (weighted_sum_pair).
 
    fmaf is exact by definition (one rounding), so the bits do not depend on whether the machine
    has FMA instructions, only the speed does. Compiled with -ffp-contract=off so that the
