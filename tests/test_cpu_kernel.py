@@ -46,7 +46,8 @@ def test_the_kernel_builds_where_a_compiler_exists():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group,kv_heads,head_dim", [(1, 1, 16), (2, 2, 32), (4, 1, 24), (2, 2, 128)])
+# Odd groups and head dims of 32, 64 and 128 take the register weighted sum on AVX-512 machines.
+@pytest.mark.parametrize("group,kv_heads,head_dim", [(1, 1, 16), (2, 2, 32), (4, 1, 24), (3, 1, 64), (2, 2, 128)])
 def test_bits_do_not_depend_on_the_instruction_set(dtype, group, kv_heads, head_dim, tmp_path):
     """-march=native (AVX intrinsics, FMA instructions) and baseline x86-64 (portable C, libm fmaf)
     give the same bits: the kernel's order of operations is in its source, not in the compiler's
@@ -89,11 +90,12 @@ def reference(q, k, v, lengths, group):
 
 
 @needs_kernel
-def test_training_forward_and_gradients_match_the_reference():
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (3, 1, 64), (4, 2, 24)])
+def test_training_forward_and_gradients_match_the_reference(heads, kv_heads, head_dim):
     """The trainer's path (private cache built out of place, autograd through it): forward equals
     the no-grad kernel bit for bit; gradients of q, k and v match fp64 autograd."""
     gen = torch.Generator().manual_seed(0)
-    lengths, heads, kv_heads, head_dim = [5, 19, 33], 4, 2, 32
+    lengths = [5, 19, 33]
     total = sum(lengths)
     q = torch.randn(total, heads, head_dim, generator=gen, requires_grad=True)
     k = torch.randn(total, kv_heads, head_dim, generator=gen, requires_grad=True)

@@ -188,7 +188,7 @@ static inline float max_of(const float *restrict s, int64_t n) {
    once, with the sums held in registers (`chunks` = Dp / 16, a constant after inlining). */
 static inline __attribute__((always_inline)) void weighted_sum_pair(
     int chunks, const float *restrict e_a, const float *restrict e_b, const void *v_cache, int bf16,
-    const int64_t *restrict offsets, int64_t n, float *restrict out_a, float *restrict out_b) {
+    const int64_t *restrict offsets, int64_t n, float *out_a, float *out_b) { /* out_a == out_b for an odd last head */
     __m512 a[8], b[8];
     for (int c = 0; c < chunks; c++) a[c] = b[c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
