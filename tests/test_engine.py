@@ -782,12 +782,17 @@ def test_top_logprobs_change_nothing_else(model_dir):
 
 
 
-def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update():
-    """At hidden size 1024 (a 0.6B model's K) the engine's decode linears run on prepacked weights
-    (`invariant.prepack_proven`) and the trainer's on mm tiles: each behaviour logprob must still be
-    the trainer's at its token's version, across an in-place weight update that repacks them."""
+@pytest.mark.parametrize("gemm", ["bf16", "fp32"])
+def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update(gemm, monkeypatch):
+    """At hidden size 1024 (a 0.6B model's K), on the bf16 GEMM the engine's decode linears run on
+    prepacked weights (`invariant.prepack_proven`) and the trainer's on mm tiles; on the fp32 GEMM
+    (CPUs without AMX) the engine's on cached fp32 copies and the trainer's on fresh ones. Each
+    behaviour logprob must still be the trainer's at its token's version, across an in-place
+    weight update that repacks (or widens again) them."""
     from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
     from rzero.ops import invariant
+
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: gemm)
 
     config = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True)
@@ -800,7 +805,7 @@ def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update():
     prompts = [[5, 6, 7, 8, 9], list(range(20, 50)), [3]]
     arrivals = [(i, prompt, params, f"r{i}") for i, prompt in enumerate(prompts)]
     outputs, _ = run_to_completion(engine, arrivals, updates=[(5, v1.state_dict(), 1)])
-    if invariant.prepack_proven(1024, config.vocab_size, torch.get_num_threads()):  # the LM head's shape
+    if gemm == "bf16" and invariant.prepack_proven(1024, config.vocab_size, torch.get_num_threads()):  # the LM head's shape
         assert id(engine.model.lm_head.weight) in invariant._PREPACKED
     ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
     assert all(len(set(o.versions)) == 2 for o in ordered[:2])  # both versions sampled in one request

@@ -24,12 +24,25 @@ PACKS = [(128, [128, 64, 64]), (128, [512, 512]), (128, [128, 128]), (1024, [204
 PACKS += [(K, [N]) for K, N in PROBE_SHAPES]
 
 
+@pytest.fixture(autouse=True)
+def bf16_gemm_on_bf16(monkeypatch):
+    """These tests are about the bf16 GEMM's layouts and paths: run them in that mode on every CPU
+    (without AMX the default is the fp32 GEMM, tested at the end of this file)."""
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: "bf16")
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The invariant linear as first defined: one bmm of 16-row tiles by the (N, K) weight's
-    transposed view."""
+    transposed view, on one thread (on two, MKL splits a one-tile fp32 bmm across them)."""
     pad = (-x.shape[0]) % 16
     tiles = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(-1, 16, x.shape[1])
-    return torch.bmm(tiles, weight.t().expand(tiles.shape[0], *weight.t().shape)).view(-1, weight.shape[0])[: x.shape[0]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = torch.bmm(tiles, weight.t().expand(tiles.shape[0], *weight.t().shape))
+    finally:
+        torch.set_num_threads(threads)
+    return out.view(-1, weight.shape[0])[: x.shape[0]]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -161,20 +174,22 @@ def test_trainer_with_packed_compute_weights_steps_like_an_unpacked_one():
     assert not torch.equal(packed.master.model.layers[0].mlp.down_proj.weight, base.model.layers[0].mlp.down_proj.weight)
 
 
-@pytest.mark.xfail(strict=True, reason="known: on 2 threads a one-tile fp32 bmm at K >= 1024 gets other bits "
-                   "than the same tile among others (MKL splits one GEMM over threads); the tiny presets "
-                   "(K <= 512) are unaffected; see docs/numerics.md")
-def test_fp32_linear_one_tile_vs_many_at_k1024_two_threads():
-    x, weight = grouping_probe(64, 1024, 1024, seed=1)
+@pytest.mark.parametrize("K,N", [(1024, 1024), (1024, 3072), (3072, 1024)])
+def test_fp32_linear_one_tile_is_a_tile_among_others_on_two_threads(K, N):
+    """On two threads MKL splits a one-tile fp32 GEMM over both (other bits from K = 1024 on);
+    the invariant linear runs such a tile beside a zero tile, so its bits are those of any batch
+    and of one thread."""
+    x, weight = grouping_probe(64, K, N, seed=1)
     x, weight = x.float(), weight.float()
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
+        one_thread = ops.INVARIANT.linear(x[:16], weight)
         torch.set_num_threads(2)
-        alone = ops.INVARIANT.linear(x[:16], weight)
-        in_batch = ops.INVARIANT.linear(x, weight)[:16]
+        for m in (1, 5, 16, 64):
+            assert torch.equal(ops.INVARIANT.linear(x[:m], weight)[:16], one_thread[:m]), m
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, in_batch)
 
 
 def test_prepacked_decode_linear_keeps_the_bits_and_follows_weight_loads(monkeypatch):
@@ -213,3 +228,30 @@ def test_prepacked_decode_linear_keeps_the_bits_and_follows_weight_loads(monkeyp
         assert id(fresh) not in invariant._PREPACKED
     finally:
         invariant.prepack_proven.cache_clear()
+
+
+@pytest.mark.parametrize("K,N", [(128, 512), (1024, 3072)])
+def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypatch):
+    """`bf16_gemm() == "fp32"` (CPUs without AMX): a bf16 linear is the fp32 invariant linear of the
+    exactly widened values, rounded to bf16, whatever the row count, the thread count, the packing
+    and whether a gradient is wanted; a weight load (in place) is followed."""
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: "fp32")
+    x, weight = grouping_probe(160, K, N, seed=K + N)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = ops.INVARIANT.linear(x.float(), weight.float()).bfloat16()
+        fused, (view,) = ops.packed([weight.clone()])
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            for m in (1, 5, 16, 48, 160):
+                assert torch.equal(ops.INVARIANT.linear(x[:m], weight), expected[:m]), (m, t)
+                assert torch.equal(ops.INVARIANT.linear(x[:m], view), expected[:m]), (m, t)
+                w = weight.clone().requires_grad_()
+                assert torch.equal(ops.INVARIANT.linear(x[:m], w), expected[:m]), (m, t)
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            view.copy_(-weight)  # an in-place load: the cached fp32 copy must follow it
+        assert torch.equal(ops.INVARIANT.linear(x, view), -expected)
+    finally:
+        torch.set_num_threads(threads)

@@ -33,6 +33,7 @@ from rzero.check.engine_checks import (
 from rzero.check.harness import CheckResult, Harness, fmt
 from rzero.ops import resolve_device
 from rzero.ops.cpu_kernel import kernel_status
+from rzero.ops.invariant import bf16_gemm
 from rzero.ops.device import intra_op_threads, model_dir_threads
 from rzero.check.trainer_checks import (
     c0_numerics_audit,
@@ -117,6 +118,7 @@ def report(results: list[CheckResult], model_dir: str | Path, numerics: str, dty
         "dtype": dtype,
         "model": str(model_dir),
         "cpu_attention": kernel_status(),  # the C kernel, or the stock-op fallback and why
+        "cpu_bf16_gemm": bf16_gemm(),  # on the CPU a bf16 linear runs the bf16 GEMM, or the fp32 one (no AMX)
         "passed": all(r.passed for r in results),
         "checks": [r.to_json() for r in results],
     }
@@ -143,7 +145,7 @@ def print_table(results: list[CheckResult], model_dir, numerics: str, dtype: str
         compared = r.compared + (f"\n[dim]{r.detail}[/dim]" if r.detail else "")
         table.add_row(r.id, r.name, compared, shown, verdict)
     console.print(table)
-    console.print(f"[dim]CPU attention: {kernel_status()}[/dim]")
+    console.print(f"[dim]CPU attention: {kernel_status()}; CPU bf16 linears on the {bf16_gemm()} GEMM[/dim]")
     passed = sum(r.passed for r in results)
     colour = "green" if passed == len(results) else "red"
     console.print(f"[{colour}]{passed}/{len(results)} checks passed[/{colour}] in {seconds:.1f} s")

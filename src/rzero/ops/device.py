@@ -51,7 +51,8 @@ def cpu_threads(hidden_size: int, requested: int = 0, dtype: str = "bf16", numer
     """Torch intra-op threads to run a model of this hidden size with: `requested`, or for 0 one
     below SMALL_MODEL_HIDDEN and PyTorch's current count (one per core by default) above it,
     except fp32 under invariant numerics, which stays on one: from K = 1024 on, MKL splits a
-    one-tile fp32 GEMM across threads and the invariant linear loses its bits (docs/numerics.md)."""
+    one-tile fp32 GEMM across threads (the invariant linear now runs such a tile beside a zero
+    tile, but `rzero check` has only been run on one thread there; docs/numerics.md)."""
     if requested:
         return requested
     exact_fp32 = str(dtype).removeprefix("torch.") in ("fp32", "float32") and str(numerics) == "invariant"

@@ -13,7 +13,8 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   tiles of 64-1024 rows where a grouping probe run once per weight shape, dtype and thread count
   proves they give a 16-row tile's bits (`big_tiles`); decode-size inputs on bf16 weights with
   K >= 1024 run on a oneDNN-prepacked weight where a probe proves the same bits (`prepack_proven`).
-  The backward is plain (F.linear's math).
+  The backward is plain (F.linear's math). On CPUs without AMX a bf16 linear runs all this on
+  the fp32 GEMM, with the bf16 values widened (`bf16_gemm`): about twice as fast there.
 - rms_norm: our C kernel (rzero/ops/cpu_kernel.py), one fixed order per row. Without a compiler,
   and for softmax: each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
@@ -28,6 +29,7 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 
 import torch
@@ -51,6 +53,26 @@ BIG_TILES = (1024, 512, 256, 128, 64)  # largest first
 # for a weight shape only where a grouping probe proves it gives the mm tiles' bits (on this
 # machine: K = 1024, not K = 2048 or 3072), and only where no gradient is wanted.
 PREPACK_MIN_K = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_gemm() -> str:
+    """How a bf16 linear multiplies on this CPU: "bf16" (oneDNN's bf16 GEMM on bf16 operands) or
+    "fp32" (the fp32 invariant GEMM on the bf16 values widened exactly to fp32, the result rounded
+    to bf16). Without AMX, oneDNN's bf16 GEMM runs at about half the fp32 rate (docs/benchmarks.md,
+    fifth session), so "fp32" is the default there and "bf16" where /proc/cpuinfo lists amx_bf16.
+    Both are invariant; they give different bits, so every process of a run must pick the same
+    (they do: same machine, same environment). RZERO_BF16_GEMM=bf16|fp32 overrides."""
+    forced = os.environ.get("RZERO_BF16_GEMM", "")
+    if forced:
+        if forced not in ("bf16", "fp32"):
+            raise ValueError(f"RZERO_BF16_GEMM={forced!r}: use bf16 or fp32")
+        return forced
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return "bf16" if "amx_bf16" in flags.split() else "fp32"
 
 
 def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -99,6 +121,14 @@ def _small_tiles(x2: torch.Tensor, wt: torch.Tensor, out: torch.Tensor | None = 
         for tile, dest in zip(x2.split(ROW_TILE), out.split(ROW_TILE)):
             torch.mm(tile, wt, out=dest)
         return out
+    if n_tiles == 1 and torch.get_num_threads() > 1:
+        # One fp32 tile on several threads: MKL splits that one GEMM across the threads and (from
+        # K = 1024 on) gets other bits than for the same tile among others, which it runs on one
+        # thread each. A zero tile beside it makes it one among two: the bits of every batch and
+        # of one thread (tests/test_linear_layout.py), for twice the work of a <= 16-row input.
+        pair = torch.cat((x2, torch.zeros_like(x2)))
+        result = _small_tiles(pair, wt)[:ROW_TILE]
+        return result if out is None else out.copy_(result)
     tiles = x2.view(n_tiles, ROW_TILE, -1)
     if wt.is_contiguous() and n_tiles > BMM_CHUNK:
         # Many bf16 tiles: bmm's cost per tile grows past a few dozen tiles; chunks keep it flat.
@@ -182,9 +212,39 @@ def _prepack_pays(wt: torch.Tensor) -> bool:
     return wt.dtype == torch.bfloat16 and wt.shape[0] >= PREPACK_MIN_K and prepack_proven(*wt.shape, torch.get_num_threads())
 
 
+# (id of the weight's storage owner, data pointer, shape, strides) -> (weakref to the owner, its
+# version when widened, the fp32 copy). Keyed by the view, not the tensor object: the MoE experts'
+# weights are fresh views of one stacked tensor on every call.
+_WIDENED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
+    """The bf16 weight as a contiguous (N, K) fp32 tensor, the layout of an fp32 model's weight (it
+    decides the fp32 GEMM's bits). Kept beside the weight when no gradient is wanted (the engine):
+    built on first use and again whenever the weight changes (its version counter moves)."""
+    def widen() -> torch.Tensor:
+        return weight.to(torch.float32, memory_format=torch.contiguous_format)
+
+    if not may_cache:
+        return widen()
+    try:
+        version = weight._version
+    except RuntimeError:  # made under inference mode: no version counter to watch
+        return widen()
+    owner = weight if weight._base is None else weight._base
+    key = (id(owner), weight.data_ptr(), tuple(weight.shape), weight.stride())
+    entry = _WIDENED.get(key)
+    if entry is None or entry[0]() is not owner or entry[1] != version:
+        ref = weakref.ref(owner, lambda _, key=key: _WIDENED.pop(key, None))
+        entry = _WIDENED[key] = (ref, version, widen())
+    return entry[2]
+
+
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = False) -> torch.Tensor:
     """`may_prepack`: no gradient is wanted (the engine, scoring), so decode-size inputs may use a
     prepacked copy of the weight; a weight in training changes every step and is never packed."""
+    if weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32":
+        return _linear_forward(x.float(), _widened(weight, may_prepack)).to(torch.bfloat16)
     x2, rows = _pad_rows(x)
     wt = gemm_operand(weight)
     total = x2.shape[0]
@@ -233,11 +293,14 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad2 = grad.reshape(-1, weight.shape[0])
+        x2, w = x.reshape(-1, x.shape[-1]), weight
+        if weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32":  # the faster GEMM here, as forward
+            grad2, x2, w = grad2.float(), x2.float(), w.float()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad2, weight).view(x.shape)
+            grad_x = torch.mm(grad2, w).view(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(grad2.t(), x.reshape(-1, x.shape[-1]))
+            grad_w = torch.mm(grad2.t(), x2).to(weight.dtype)
         return grad_x, grad_w
 
 
