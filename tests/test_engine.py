@@ -793,6 +793,7 @@ def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update(gemm
     from rzero.ops import invariant
 
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: gemm)
+    monkeypatch.setattr(invariant, "FP32_ROUTE_MAX", 1 << 62)  # every weight of this model on the fp32 GEMM
 
     config = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True)

@@ -236,6 +236,7 @@ def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypat
     exactly widened values, rounded to bf16, whatever the row count, the thread count, the packing
     and whether a gradient is wanted; a weight load (in place) is followed."""
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: "fp32")
+    monkeypatch.setattr(invariant, "FP32_ROUTE_MAX", 1 << 62)  # K x N of a 0.6B layer too
     x, weight = grouping_probe(160, K, N, seed=K + N)
     threads = torch.get_num_threads()
     try:
@@ -255,3 +256,15 @@ def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypat
         assert torch.equal(ops.INVARIANT.linear(x, view), -expected)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_large_bf16_weights_keep_the_bf16_gemm(monkeypatch):
+    """Where bf16 linears take the fp32 GEMM, a weight from FP32_ROUTE_MAX elements on keeps the
+    bf16 GEMM's bits (decode of a large model streams its weights: fp32 copies double the bytes)."""
+    monkeypatch.setattr(invariant, "FP32_ROUTE_MAX", 128 * 512)
+    x, weight = grouping_probe(48, 128, 512, seed=5)
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: "bf16")
+    bf16_bits = ops.INVARIANT.linear(x, weight)
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: "fp32")
+    assert torch.equal(ops.INVARIANT.linear(x, weight), bf16_bits)
+    assert torch.equal(ops.INVARIANT.linear(x, weight[:256]), ops.INVARIANT.linear(x.float(), weight[:256].float()).bfloat16())

@@ -13,8 +13,8 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   tiles of 64-1024 rows where a grouping probe run once per weight shape, dtype and thread count
   proves they give a 16-row tile's bits (`big_tiles`); decode-size inputs on bf16 weights with
   K >= 1024 run on a oneDNN-prepacked weight where a probe proves the same bits (`prepack_proven`).
-  The backward is plain (F.linear's math). On CPUs without AMX a bf16 linear runs all this on
-  the fp32 GEMM, with the bf16 values widened (`bf16_gemm`): about twice as fast there.
+  The backward is plain (F.linear's math). On CPUs without AMX a bf16 linear on a weight below
+  FP32_ROUTE_MAX elements runs all this on the fp32 GEMM, the bf16 values widened (`bf16_gemm`).
 - rms_norm: our C kernel (rzero/ops/cpu_kernel.py), one fixed order per row. Without a compiler,
   and for softmax: each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
@@ -53,6 +53,19 @@ BIG_TILES = (1024, 512, 256, 128, 64)  # largest first
 # for a weight shape only where a grouping probe proves it gives the mm tiles' bits (on this
 # machine: K = 1024, not K = 2048 or 3072), and only where no gradient is wanted.
 PREPACK_MIN_K = 1024
+
+
+# Weights from this many elements on keep the bf16 GEMM even where `bf16_gemm()` is "fp32": a
+# large model's decode streams its weights every step, and an fp32 copy doubles the bytes
+# (measured at the Qwen3-0.6B shape, 2 threads, batch 64: 59 tok/s on the bf16 GEMM, 46 on the
+# fp32 one; docs/benchmarks.md, fifth session). The tiny presets' weights are all below it.
+FP32_ROUTE_MAX = 1 << 20
+
+
+def _fp32_route(weight: torch.Tensor) -> bool:
+    """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of its shape, so the engine
+    and the trainer always agree)."""
+    return weight.dtype == torch.bfloat16 and weight.numel() < FP32_ROUTE_MAX and bf16_gemm() == "fp32"
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,7 +256,7 @@ def _widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = False) -> torch.Tensor:
     """`may_prepack`: no gradient is wanted (the engine, scoring), so decode-size inputs may use a
     prepacked copy of the weight; a weight in training changes every step and is never packed."""
-    if weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32":
+    if _fp32_route(weight):
         return _linear_forward(x.float(), _widened(weight, may_prepack)).to(torch.bfloat16)
     x2, rows = _pad_rows(x)
     wt = gemm_operand(weight)
@@ -294,7 +307,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad2 = grad.reshape(-1, weight.shape[0])
         x2, w = x.reshape(-1, x.shape[-1]), weight
-        if weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32":  # the faster GEMM here, as forward
+        if _fp32_route(weight):  # the faster GEMM here, as in the forward
             grad2, x2, w = grad2.float(), x2.float(), w.float()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
