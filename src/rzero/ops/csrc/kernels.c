@@ -52,34 +52,12 @@ static inline void key_offsets(const int64_t *table, int64_t n, int64_t block, i
     }
 }
 
-#if defined(__AVX__) && defined(__FMA__)
-#include <immintrin.h>
-/* The same 16 lanes and tree as the portable version below, in two 8-wide registers. */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t Dp) {
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (int64_t d = 0; d < Dp; d += LANES) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
-    }
-    __m256 s8 = _mm256_add_ps(lo, hi);                                                  /* l += l + 8 */
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));   /* l += l + 4 */
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                  /* l += l + 2 */
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                    /* 0 + 1 */
-}
-#else
-static inline float dot(const float *restrict a, const float *restrict b, int64_t Dp) {
-    float acc[LANES] = {0};
-    for (int64_t d = 0; d < Dp; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[d + l], b[d + l], acc[l]);
+/* The fixed tree that adds a dot product's 16 lane sums: l += l + 8, += l + 4, += l + 2, then 0 + 1. */
+static inline float lane_tree(float acc[LANES]) {
     for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
     for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
     for (int l = 0; l < 2; l++) acc[l] += acc[l + 2];
     return acc[0] + acc[1];
-}
-#endif
-
-static inline void axpy(float *restrict acc, float e, const float *restrict x, int64_t Dp) {
-    for (int64_t d = 0; d < Dp; d++) acc[d] = fmaf(e, x[d], acc[d]);
 }
 
 /* bf16 -> fp32 of one element: exact (the 16 bits become the high half of the fp32 word). */
@@ -88,6 +66,38 @@ static inline float bf16_value(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+/* lane_tree with lanes 0-7 in lo and 8-15 in hi. */
+static inline float lane_tree_avx(__m256 lo, __m256 hi) {
+    __m256 s8 = _mm256_add_ps(lo, hi);                                                  /* l += l + 8 */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));   /* l += l + 4 */
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                  /* l += l + 2 */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                    /* 0 + 1 */
+}
+
+/* The same 16 lanes and tree as the portable version below, in two 8-wide registers. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t Dp) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t d = 0; d < Dp; d += LANES) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
+    }
+    return lane_tree_avx(lo, hi);
+}
+#else
+static inline float dot(const float *restrict a, const float *restrict b, int64_t Dp) {
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < Dp; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[d + l], b[d + l], acc[l]);
+    return lane_tree(acc);
+}
+#endif
+
+static inline void axpy(float *restrict acc, float e, const float *restrict x, int64_t Dp) {
+    for (int64_t d = 0; d < Dp; d++) acc[d] = fmaf(e, x[d], acc[d]);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -100,20 +110,14 @@ static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b
         lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_castsi256_ps(wide_lo), lo);
         hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_castsi256_ps(wide_hi), hi);
     }
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    return lane_tree_avx(lo, hi);
 }
 #else
 static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t Dp) {
     float acc[LANES] = {0};
     for (int64_t d = 0; d < Dp; d += LANES)
         for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[d + l], bf16_value(b[d + l]), acc[l]);
-    for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
-    for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
-    for (int l = 0; l < 2; l++) acc[l] += acc[l + 2];
-    return acc[0] + acc[1];
+    return lane_tree(acc);
 }
 #endif
 
