@@ -253,67 +253,94 @@ def _widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
     return entry[2]
 
 
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = False) -> torch.Tensor:
-    """`may_prepack`: no gradient is wanted (the engine, scoring), so decode-size inputs may use a
-    prepacked copy of the weight; a weight in training changes every step and is never packed."""
-    if _fp32_route(weight):
-        return _linear_forward(x.float(), _widened(weight, may_prepack)).to(torch.bfloat16)
-    x2, rows = _pad_rows(x)
-    wt = gemm_operand(weight)
-    total = x2.shape[0]
-    out = x2.new_empty(total, wt.shape[1])
-    # Bulk rows in the largest proven tiles (one mm each): every row gets a ROW_TILE tile's bits
-    # whichever tile it lands in. Leftover rows (more than one ROW_TILE) go in one proven tile
-    # padded with zero rows where that at most doubles their rows: one GEMM call instead of
-    # several, whose fixed cost (~20 us per bf16 oneDNN call here) dominates small shapes.
-    start = 0
-    proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
+def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool) -> tuple[list[tuple[int, int]], int]:
+    """How `total` rows (a multiple of ROW_TILE) are cut: big proven tiles (start, size), largest
+    first, and the row from which the rest goes in ROW_TILE tiles. Leftover rows (more than one
+    ROW_TILE) go in one proven tile padded with zero rows where that at most doubles their rows:
+    one GEMM call instead of several, whose fixed cost (~20 us per bf16 oneDNN call here)
+    dominates small shapes; such a last tile ends past `total`. `keep_whole`: an input that would
+    be one padded tile stays whole (the prepacked decode path takes it)."""
+    tiles, start = [], 0
     for size in proven:
         end = start + (total - start) // size * size
-        for s in range(start, end, size):
-            _big_tile_mm(x2[s : s + size], wt, out[s : s + size])
+        tiles.extend((s, size) for s in range(start, end, size))
         start, left = end, total - end
-        pad = ROW_TILE < left <= size <= 2 * left and left not in proven
-        if pad and not (start == 0 and may_prepack and _prepack_pays(wt)):
-            padded = x2.new_zeros(size, x2.shape[1])
-            padded[:left] = x2[start:]
-            result = x2.new_empty(size, wt.shape[1])
-            _big_tile_mm(padded, wt, result)
-            if start == 0:  # the whole input was one padded tile: its rows are the output
-                return result[:rows].reshape(*x.shape[:-1], weight.shape[0])
-            out[start:] = result[:left]
-            start = total
-            break
+        if ROW_TILE < left <= size <= 2 * left and left not in proven and not (start == 0 and keep_whole):
+            tiles.append((start, size))
+            return tiles, start + size
+    return tiles, start
+
+
+def _operand_rows(x2: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """x2's rows in `dtype`, zero rows appended up to `length`: one copy (none if x2 already is that)."""
+    rows = x2.shape[0]
+    if rows == length:
+        x2 = x2 if x2.dtype == dtype else x2.to(dtype)
+        return x2 if x2.is_contiguous() else x2.contiguous()
+    out = x2.new_empty(length, x2.shape[1], dtype=dtype)
+    out[:rows] = x2
+    out[rows:] = 0
+    return out
+
+
+def _linear_forward(
+    x: torch.Tensor, weight: torch.Tensor, may_prepack: bool = False, operands: list | None = None
+) -> torch.Tensor:
+    """`may_prepack`: no gradient is wanted (the engine, scoring), so decode-size inputs may use a
+    prepacked copy of the weight, and the fp32 route may keep its widened weight; a weight in
+    training changes every step and is never packed. `operands`, if given, receives x's rows and
+    the (N, K) weight as multiplied (widened on the fp32 route), for the backward to reuse."""
+    fp32_route = _fp32_route(weight)
+    # The fp32 route multiplies the bf16 values widened exactly to fp32 (see bf16_gemm).
+    gemm_weight = _widened(weight, may_prepack) if fp32_route else weight
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    total = -(-rows // ROW_TILE) * ROW_TILE
+    wt = gemm_operand(gemm_weight)
+    prepack = may_prepack and _prepack_pays(wt)
+    proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
+    tiles, start = _tile_plan(total, proven, keep_whole=prepack)
+    xp = _operand_rows(x2, max(total, start), wt.dtype)  # widened and padded in one copy
+    out = xp.new_empty(xp.shape[0], wt.shape[1])
+    # Bulk rows in the largest proven tiles (one mm each): every row gets a ROW_TILE tile's bits
+    # whichever tile it lands in.
+    for s, size in tiles:
+        _big_tile_mm(xp[s : s + size], wt, out[s : s + size])
     if start < total:
-        packed = _prepacked(weight) if start == 0 and may_prepack and _prepack_pays(wt) else None
+        packed = _prepacked(weight) if start == 0 and prepack else None
         if packed is not None:  # decode batches on large bf16 weights (see PREPACK_MIN_K)
-            out = torch.cat([_onednn_tile(t, packed) for t in x2.split(ROW_TILE)])
+            out = torch.cat([_onednn_tile(t, packed) for t in xp.split(ROW_TILE)])
         else:
-            _small_tiles(x2[start:], wt, out[start:])
-    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+            _small_tiles(xp[start:total], wt, out[start:total])
+    if operands is not None:  # the widened rows on the fp32 route, else x itself (no padded copy kept)
+        operands.extend((x2 if not fp32_route else xp if xp.shape[0] == rows else xp[:rows], gemm_weight))
+    result = out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    return result.to(torch.bfloat16) if fp32_route else result
 
 
 class _Linear(torch.autograd.Function):
     """Invariant forward; plain backward (two whole-batch GEMMs, like F.linear's): only the forward
-    has to match the engine bit for bit (as for attention), the gradients just have to be right."""
+    has to match the engine bit for bit (as for attention), the gradients just have to be right.
+    The backward multiplies the forward's operands (on the fp32 route, the widened copies: the
+    faster GEMM here, as in the forward, and no second widening)."""
 
     @staticmethod
     def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return _linear_forward(x, weight)
+        operands: list[torch.Tensor] = []
+        out = _linear_forward(x, weight, operands=operands)
+        ctx.save_for_backward(*operands)
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad2 = grad.reshape(-1, weight.shape[0])
-        x2, w = x.reshape(-1, x.shape[-1]), weight
-        if _fp32_route(weight):  # the faster GEMM here, as in the forward
-            grad2, x2, w = grad2.float(), x2.float(), w.float()
+        x2, w = ctx.saved_tensors  # (rows, K) and (N, K), in the GEMM's dtype
+        grad2 = grad.reshape(-1, w.shape[0]).to(w.dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad2, w).view(x.shape).to(x.dtype)
+            grad_x = torch.mm(grad2, w).view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(grad2.t(), x2).to(weight.dtype)
+            grad_w = torch.mm(grad2.t(), x2).to(ctx.w_dtype)
         return grad_x, grad_w
 
 
