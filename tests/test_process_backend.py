@@ -15,6 +15,7 @@ import pytest
 
 from rzero.config import load_config
 from rzero.envs.arithmetic import ArithmeticEnv
+from rzero.rollout import process_backend
 from rzero.run.backends import resolved_backend
 from rzero.run.loop import train
 
@@ -103,12 +104,24 @@ def test_auto_is_processes_on_the_cpu_and_threads_for_what_cannot_be_pickled():
     assert resolved_backend(load_config(None), unpicklable) == "local"
 
 
-def test_sync_run_in_processes_is_bitwise_the_thread_run_and_leaves_no_worker(local_sync, tmp_path):
+def test_sync_run_in_processes_is_bitwise_the_thread_run_and_leaves_no_worker(local_sync, tmp_path, monkeypatch):
+    spawned = []  # the function that started each interpreter
+    spawn = process_backend._spawn
+    monkeypatch.setattr(process_backend, "_spawn", lambda threads: spawned.append(sys._getframe(1).f_code.co_name) or spawn(threads))
     rows = run(sync_config("rollout.backend=process", "rollout.workers=2"), tmp_path / "run")
     same_but_timing(local_sync, rows)
     every_group_once(rows)
     assert all(m["rollout/worker_restarts"] == 0 for m in rows)
     assert worker_pids(os.getpid()) == []  # both workers ended with the run
+    # The run started its two interpreters before building the model, and the backend took them.
+    assert spawned == ["prespawn", "prespawn"]
+
+
+def test_prespawned_interpreters_that_no_backend_takes_are_stopped():
+    process_backend.prespawn(2, threads=1)
+    assert len(worker_pids(os.getpid())) == 2
+    process_backend.discard_spares()
+    assert worker_pids(os.getpid()) == []
 
 
 class DiesOnceEnv(DigitSevenEnv):

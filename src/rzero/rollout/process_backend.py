@@ -143,14 +143,7 @@ class ProcessBackend(RemoteBackend):
         super().start(weights, version)
 
     def _launch(self, i: int) -> tuple[subprocess.Popen, Any]:
-        ours, theirs = socket.socketpair()
-        code = "from rzero.rollout.process_backend import _main; _main()"
-        process = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL
-        )
-        theirs.close()  # the child holds its end: when it dies, our recv sees EOF
-        conn = multiprocessing.connection.Connection(ours.detach())
-        conn.send((sys.path, bytes(multiprocessing.current_process().authkey), self.threads))
+        process, conn = _take_spare(self.threads) or _spawn(self.threads)
         args = (self.make_engine, self.make_env, self.sampling, self.group_size, self.seed)
         # The newest max_lag + 1 versions' weights are kept for scoring: older tokens are stale.
         conn.send((args, dict(delay_s=self.rollout_delay_s, score=self.score, keep_versions=self.max_lag + 1)))
@@ -192,6 +185,51 @@ class ProcessBackend(RemoteBackend):
         for process, _ in self.workers:
             _reap(process, timeout=10)
         self.workers = []
+
+
+def _spawn(threads: int) -> tuple[subprocess.Popen, Any]:
+    """A worker interpreter, given this process's sys.path, authkey and the thread count; it
+    imports torch and rzero, then waits for its worker's arguments."""
+    ours, theirs = socket.socketpair()
+    code = "from rzero.rollout.process_backend import _main; _main()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL
+    )
+    theirs.close()  # the child holds its end: when it dies, our recv sees EOF
+    conn = multiprocessing.connection.Connection(ours.detach())
+    conn.send((sys.path, bytes(multiprocessing.current_process().authkey), threads))
+    return process, conn
+
+
+# Interpreters started before their backend exists (`prespawn`), with their thread counts.
+_SPARES: list[tuple[subprocess.Popen, Any, int]] = []
+
+
+def prespawn(count: int, threads: int) -> None:
+    """Start `count` worker interpreters now, for a ProcessBackend this process makes later with
+    this many threads: their imports (~1.5 s each) then overlap the caller's work (a run's warm
+    start) instead of delaying the backend's start. Spares never taken are stopped by
+    `discard_spares`, or end with this process (their pipe closes)."""
+    while len(_SPARES) < count:
+        _SPARES.append((*_spawn(threads), threads))
+
+
+def _take_spare(threads: int) -> tuple[subprocess.Popen, Any] | None:
+    while _SPARES:
+        process, conn, spare_threads = _SPARES.pop(0)
+        if spare_threads == threads and process.poll() is None:
+            return process, conn
+        conn.close()
+        _reap(process)
+    return None
+
+
+def discard_spares() -> None:
+    """Stop the pre-started interpreters no backend took (their pipe closes, they exit)."""
+    while _SPARES:
+        process, conn, _ = _SPARES.pop()
+        conn.close()
+        _reap(process)
 
 
 def _reap(process: subprocess.Popen, timeout: float = 5.0) -> int:

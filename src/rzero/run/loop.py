@@ -33,7 +33,8 @@ from rzero.model.io import load_model, parse_dtype, read_tokenizer_files, save_m
 from rzero.model.presets import PRESETS, init_model
 from rzero.model.tokenizer import load_tokenizer
 from rzero.ops.device import cpu_threads, intra_op_threads, model_dir_threads
-from rzero.run.backends import EngineFactory, check_backend, make_backend
+from rzero.rollout.process_backend import discard_spares, prespawn
+from rzero.run.backends import EngineFactory, check_backend, make_backend, resolved_backend
 from rzero.run.checkpoint import find_resume_checkpoint, latest_checkpoint, save_checkpoint
 from rzero.run.cluster import cpus_needed, needs_ray, open_cluster
 from rzero.run.metrics_log import MetricsLog
@@ -106,7 +107,10 @@ def train(config: RunConfig, run_dir: Path, **kwargs) -> Path:
     """Run (or resume) RL training into run_dir on `run_threads(config)` torch threads (the
     caller's count is restored afterwards); the arguments are `_train`'s."""
     with intra_op_threads(run_threads(config)):
-        return _train(config, run_dir, **kwargs)
+        try:
+            return _train(config, run_dir, **kwargs)
+        finally:
+            discard_spares()
 
 
 def _train(
@@ -153,6 +157,9 @@ def _train(
         log(f"resuming from {checkpoint}")
         master, tokenizer_files = saved["model"], saved["tokenizer_files"]
     else:
+        if replay_of is None and resolved_backend(config, env) == "process":
+            # The worker processes import torch and rzero on another core during the warm start.
+            prespawn(config.rollout.workers, torch.get_num_threads())
         model_dir = prepare_base_model(config, run_dir, log=log)
         master = load_model(model_dir, "fp32")
         # Held in memory: every checkpoint gets a complete copy, whatever happens to model_dir later.
