@@ -1,4 +1,4 @@
-"""The CPU's C kernels (rzero/ops/cpu_kernel.py, csrc/kernels.c: attention and RMSNorm): they
+"""The CPU's C kernels (rzero/ops/cpu_kernel.py, csrc/kernels.c: attention, RMSNorm and rotary): they
 build where a compiler exists, their bits depend neither on the instruction set they were
 compiled for nor on the thread count, and their training backward gives the right gradients.
 Batch invariance itself is tested in test_ops.py (prefill vs decode vs chunks, neighbours,
@@ -161,6 +161,62 @@ def test_rms_norm_gradients_match_the_reference():
     (reference * upstream.double()).sum().backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+
+def rotary_inputs(dtype: torch.dtype, T: int, H: int, D: int, seed: int):
+    """x with ordinary, huge, tiny (subnormal), infinite and NaN values; cos and sin of a real table."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, D, generator=gen) * 3
+    flat = x.view(-1)
+    flat[::37] = 3e38
+    flat[5::41] = 1e-40
+    flat[7::53] = float("inf")
+    flat[11::59] = float("nan")
+    angles = torch.rand(T, 1, D, generator=gen) * 1000
+    return x.to(dtype), angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 2), (853, 4, 32), (7, 16, 128), (5, 3, 24)])
+def test_rotary_has_the_torch_expressions_bits_on_every_instruction_set(dtype, shape, tmp_path):
+    """The one-pass kernel rounds like x * cos + rotate_half(x) * sin in torch (each product and
+    the sum in the tensor's dtype), infinities and subnormals included, native and portable."""
+    from rzero.ops import standard
+
+    x, cos, sin = rotary_inputs(dtype, *shape, seed=sum(shape))
+    expected = standard.apply_rotary(x, cos, sin)
+
+    def same_bits(got: torch.Tensor) -> bool:
+        """Every element's bits, except a NaN's payload and sign (torch's vector and scalar paths
+        disagree on those among themselves)."""
+        as_bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
+        return bool(((got.view(as_bits) == expected.view(as_bits)) | (got.isnan() & expected.isnan())).all())
+
+    if x.numel() > 64:
+        assert expected.isnan().any() and expected.isinf().any()  # the special values reach the output
+    assert same_bits(cpu_kernel.rotary(x, cos, sin))
+    assert same_bits(cpu_kernel.rotary(x, cos, sin, lib=cpu_kernel.load(PORTABLE, cache_dir=tmp_path)))
+    assert same_bits(INVARIANT.apply_rotary(x, cos, sin))
+    assert not same_bits(standard.apply_rotary(x, sin, cos))  # a wrong table is caught
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_training_gives_the_expressions_output_and_gradient_bit_for_bit(dtype):
+    from rzero.ops import standard
+
+    x, cos, sin = rotary_inputs(dtype, 40, 4, 32, seed=3)
+    x = x.clamp(-1e3, 1e3).nan_to_num(0.0)  # finite gradients to compare
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    results = []
+    for op in (INVARIANT.apply_rotary, standard.apply_rotary):
+        leaf = x.clone().requires_grad_()
+        out = op(leaf, cos, sin)
+        out.backward(upstream)
+        results.append((out.detach(), leaf.grad))
+    assert results[0][0].grad_fn is None and torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
 
 
 @needs_kernel

@@ -104,6 +104,8 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     lib.rz_rms_norm.restype = ctypes.c_int
     lib.rz_rms_norm_backward.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr]
     lib.rz_rms_norm_backward.restype = ctypes.c_int
+    lib.rz_rotary.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
+    lib.rz_rotary.restype = ctypes.c_int
     return lib
 
 
@@ -251,3 +253,16 @@ def rms_norm_backward(
         None if grad_x is None else grad_x.data_ptr(), None if grad_w is None else grad_w.data_ptr(),
     ))
     return (None if grad_x is None else grad_x.to(x.dtype)), (None if grad_w is None else grad_w.to(weight.dtype))
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x (T, H, D) and cos, sin (T, 1, D), all of one dtype (fp32
+    or bf16): the bits of that torch expression, in one pass (csrc/kernels.c)."""
+    lib = lib or library()
+    if x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise TypeError(f"CPU rotary kernel: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}; needs all fp32 or all bf16")
+    T, H, D = x.shape
+    x, cos, sin = x.contiguous(), cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+    out = torch.empty_like(x)
+    _check(lib.rz_rotary(x.data_ptr(), x.dtype == torch.bfloat16, cos.data_ptr(), sin.data_ptr(), T, H, D, out.data_ptr()))
+    return out

@@ -15,6 +15,10 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   K >= 1024 run on a oneDNN-prepacked weight where a probe proves the same bits (`prepack_proven`).
   The backward is plain (F.linear's math). On CPUs without AMX a bf16 linear on a weight below
   FP32_ROUTE_MAX elements runs all this on the fp32 GEMM, the bf16 values widened (`bf16_gemm`).
+The row and elementwise ops below live in rzero/ops/invariant_rows.py, attention in
+rzero/ops/invariant_attention.py; this module holds the linear layers and is the numerics' one
+namespace (it re-exports them).
+
 - rms_norm: our C kernel (rzero/ops/cpu_kernel.py), one fixed order per row. Without a compiler,
   and for softmax: each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
@@ -22,6 +26,8 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
 - elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
   in the last bit, and which elements fall in the tail depends on the tensor's total size. We pad
   the flat size to a multiple of ELEMENTWISE_TILE so that no element is ever in a tail.
+- rotary: products and a sum per element, no reduction; on the CPU one C pass that rounds each
+  as torch's expression does (the same bits), instead of five tensor ops.
 - attention: our C kernel (rzero/ops/cpu_kernel.py), or without a compiler the stock-op version
   of rzero/ops/invariant_attention.py.
 """
@@ -33,13 +39,19 @@ import os
 import weakref
 
 import torch
-import torch.nn.functional as F
 
-from rzero.ops import cpu_kernel
-from rzero.ops.invariant_attention import attention  # noqa: F401  (one op of this numerics)
+from rzero.ops.invariant_attention import attention  # noqa: F401  (ops of this numerics)
+from rzero.ops.invariant_rows import (  # noqa: F401
+    ROW_TILE,
+    apply_rotary,
+    log_softmax,
+    moe_combine,
+    moe_route,
+    rms_norm,
+    silu_mul,
+    softmax,
+)
 
-ROW_TILE = 16
-ELEMENTWISE_TILE = 64  # two AVX-512 vectors of bf16
 # From this many weight elements on, a contiguous (bf16) weight is multiplied tile by tile with mm
 # rather than by bmm (measured on one thread: bmm wins at 128 x 512, mm from 128 x 1024 on); below
 # it, bmm runs at most BMM_CHUNK tiles per call. Every path gives the same bits (tests probe each).
@@ -86,16 +98,6 @@ def bf16_gemm() -> str:
     except OSError:
         flags = ""
     return "bf16" if "amx_bf16" in flags.split() else "fp32"
-
-
-def _pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """View x as (rows, last) and pad rows to a multiple of ROW_TILE."""
-    x2 = x.reshape(-1, x.shape[-1])
-    rows = x2.shape[0]
-    pad = (-rows) % ROW_TILE
-    if pad:
-        x2 = F.pad(x2, (0, 0, 0, pad))
-    return x2.contiguous(), rows
 
 
 def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
@@ -348,77 +350,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Linear.apply(x, weight)
     return _linear_forward(x, weight, may_prepack=True)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """The C kernel's forward (the engine's bits) and backward (plain RMSNorm math, in C too)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return cpu_kernel.rms_norm(x, weight, eps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x, grad_w = cpu_kernel.rms_norm_backward(x, weight, ctx.eps, grad, *ctx.needs_input_grad[:2])
-        return grad_x, grad_w, None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if cpu_kernel.library() is not None and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16):
-        # One C pass per row instead of seven tensor ops (rzero/ops/cpu_kernel.py).
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return _RMSNorm.apply(x, weight, eps)
-        return cpu_kernel.rms_norm(x, weight, eps)
-    # Stock ops (no C compiler): rows padded to ROW_TILE, see the module docstring.
-    x2, rows = _pad_rows(x)
-    xf = x2.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed.to(x.dtype))[:rows].reshape(x.shape)
-
-
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    x2, rows = _pad_rows(x.float())
-    return torch.log_softmax(x2, dim=-1)[:rows].reshape(x.shape)
-
-
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    x2, rows = _pad_rows(x.float())
-    return torch.softmax(x2, dim=-1)[:rows].reshape(x.shape)
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.shape[-1] % ELEMENTWISE_TILE == 0:
-        # Rows of whole vectors (every preset's MLP width): no element can fall in a scalar tail,
-        # whether the loop runs over the flat tensor or row by row over a strided column slice
-        # (the gate of the joined gate/up GEMM), so no contiguous copy is needed.
-        return F.silu(gate) * up
-    # Otherwise flat and padded, so that the vectorised body and tail split the flat tensor at a
-    # multiple of the tile, never inside a strided row.
-    gate = gate.contiguous()
-    n = gate.numel()
-    pad = (-n) % ELEMENTWISE_TILE
-    if not pad:
-        return F.silu(gate) * up
-    flat = F.pad(gate.reshape(-1), (0, pad))
-    return F.silu(flat)[:n].reshape(gate.shape) * up
-
-
-def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = softmax(router_logits)
-    # A stable sort breaks ties toward the lower expert id, whatever else is in the batch.
-    weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, experts = weights[:, :top_k], experts[:, :top_k]
-    if normalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, experts
-
-
-def moe_combine(expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    weights = weights.to(expert_outputs.dtype)
-    out = expert_outputs[:, 0] * weights[:, :1]
-    for slot in range(1, expert_outputs.shape[1]):  # fixed left-to-right order over the k slots
-        out = out + expert_outputs[:, slot] * weights[:, slot : slot + 1]
-    return out

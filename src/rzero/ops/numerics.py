@@ -115,10 +115,11 @@ class Numerics:
 
     @_op
     def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding (rotate-half convention); elementwise, identical in both modes."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """Rotary embedding (rotate-half convention) of x (T, H, D) by cos, sin (T, 1, D);
+        elementwise, the same bits in both modes (`invariant` on the CPU runs it as one C pass)."""
+        if self._impl is _invariant and x.device.type == "cpu":
+            return _invariant.apply_rotary(x, cos, sin)
+        return _standard.apply_rotary(x, cos, sin)
 
     @_op
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -586,3 +586,44 @@ int rz_rms_norm_backward(const void *x, int bf16, int64_t outer, int64_t inner, 
     free(w);
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+   Rotary embedding (rotate-half convention): out = x * cos + rotate(x) * sin, rotate(x) =
+   (-x[half:], x[:half]), in one pass instead of five tensor ops, with PyTorch's own rounding: in
+   bf16 each product and the sum are computed in fp32 and rounded to bf16 (as torch's bf16 ops
+   are), in fp32 each is one fp32 operation (no fused multiply-add: -ffp-contract=off). So the
+   bits are the torch expression's (tests/test_cpu_kernel.py). x and out: (T, H, D), cos and sin:
+   (T, D), all contiguous. */
+
+static inline float rounded_bf16(float f) { return bf16_value(float_to_bf16(f)); }
+
+int rz_rotary(const void *x, int bf16, const void *cos, const void *sin, int64_t T, int64_t H, int64_t D, void *out) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t row = (t * H + h) * D;
+            if (bf16) {
+                const uint16_t *restrict xr = (const uint16_t *)x + row;
+                const uint16_t *restrict c = (const uint16_t *)cos + t * D, *restrict s = (const uint16_t *)sin + t * D;
+                uint16_t *restrict o = (uint16_t *)out + row;
+                for (int64_t d = 0; d < D; d++) {
+                    const float rotated = d < half ? -bf16_value(xr[d + half]) : bf16_value(xr[d - half]);
+                    const float a = rounded_bf16(bf16_value(xr[d]) * bf16_value(c[d]));
+                    const float b = rounded_bf16(rotated * bf16_value(s[d]));
+                    o[d] = float_to_bf16(a + b);
+                }
+            } else {
+                const float *restrict xr = (const float *)x + row;
+                const float *restrict c = (const float *)cos + t * D, *restrict s = (const float *)sin + t * D;
+                float *restrict o = (float *)out + row;
+                for (int64_t d = 0; d < D; d++) {
+                    const float rotated = d < half ? -xr[d + half] : xr[d - half];
+                    const float a = xr[d] * c[d];
+                    const float b = rotated * s[d];
+                    o[d] = a + b;
+                }
+            }
+        }
+    }
+    return 0;
+}
