@@ -279,9 +279,8 @@ def _operand_rows(x2: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Te
     if rows == length:
         x2 = x2 if x2.dtype == dtype else x2.to(dtype)
         return x2 if x2.is_contiguous() else x2.contiguous()
-    out = x2.new_empty(length, x2.shape[1], dtype=dtype)
+    out = x2.new_zeros(length, x2.shape[1], dtype=dtype)
     out[:rows] = x2
-    out[rows:] = 0
     return out
 
 
