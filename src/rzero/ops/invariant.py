@@ -279,8 +279,9 @@ def _operand_rows(x2: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Te
     if rows == length:
         x2 = x2 if x2.dtype == dtype else x2.to(dtype)
         return x2 if x2.is_contiguous() else x2.contiguous()
-    out = x2.new_zeros(length, x2.shape[1], dtype=dtype)
+    out = x2.new_empty(length, x2.shape[1], dtype=dtype)
     out[:rows] = x2
+    out[rows:].zero_()  # only the padding: a whole-buffer fill costs as much as the copy
     return out
 
 
@@ -301,12 +302,19 @@ def _linear_forward(
     prepack = may_prepack and _prepack_pays(wt)
     proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
     tiles, start = _tile_plan(total, proven, keep_whole=prepack)
-    xp = _operand_rows(x2, max(total, start), wt.dtype)  # widened and padded in one copy
-    out = xp.new_empty(xp.shape[0], wt.shape[1])
+    length = max(total, start)
+    if x2.dtype == wt.dtype and x2.is_contiguous() and rows == total:
+        xp = x2  # used in place; a padded last tile gets its own copy below
+    else:
+        xp = _operand_rows(x2, length, wt.dtype)  # widened and padded in the one copy needed anyway
+    out = xp.new_empty(length, wt.shape[1])
     # Bulk rows in the largest proven tiles (one mm each): every row gets a ROW_TILE tile's bits
     # whichever tile it lands in.
     for s, size in tiles:
-        _big_tile_mm(xp[s : s + size], wt, out[s : s + size])
+        tile = xp[s : s + size]
+        if tile.shape[0] < size:  # the last tile reaches past the rows: zero rows after them
+            tile = _operand_rows(tile, size, wt.dtype)
+        _big_tile_mm(tile, wt, out[s : s + size])
     if start < total:
         packed = _prepacked(weight) if start == 0 and prepack else None
         if packed is not None:  # decode batches on large bf16 weights (see PREPACK_MIN_K)
