@@ -220,6 +220,17 @@ def test_rotary_in_training_gives_the_expressions_output_and_gradient_bit_for_bi
 
 
 @needs_kernel
+def test_rotary_with_an_odd_head_dim_is_refused_by_the_kernel_and_runs_as_the_expression():
+    from rzero.ops import standard
+
+    x, cos, sin = rotary_inputs(torch.float32, 6, 2, 5, seed=5)
+    x = x.nan_to_num(0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="head_dim 5 is odd"):
+        cpu_kernel.rotary(x, cos, sin)
+    assert torch.equal(INVARIANT.apply_rotary(x, cos, sin), standard.apply_rotary(x, cos, sin))
+
+
+@needs_kernel
 def test_an_unwritable_cache_directory_falls_back_to_the_temporary_one(tmp_path):
     import tempfile
     from pathlib import Path

@@ -262,6 +262,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: ctypes.CD
     if x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype or sin.dtype != x.dtype:
         raise TypeError(f"CPU rotary kernel: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}; needs all fp32 or all bf16")
     T, H, D = x.shape
+    if D % 2:
+        raise ValueError(f"CPU rotary kernel: head_dim {D} is odd; rotate-half needs an even one")
     x, cos, sin = x.contiguous(), cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
     out = torch.empty_like(x)
     _check(lib.rz_rotary(x.data_ptr(), x.dtype == torch.bfloat16, cos.data_ptr(), sin.data_ptr(), T, H, D, out.data_ptr()))

@@ -74,8 +74,8 @@ class _Rotary(torch.autograd.Function):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding: the C kernel (one pass, the torch expression's bits) where it applies, else
     the expression itself (rzero.ops.standard)."""
-    if cpu_kernel.library() is None or x.dim() != 3 or not (x.dtype == cos.dtype == sin.dtype) or x.dtype not in (
-        torch.float32, torch.bfloat16
+    if cpu_kernel.library() is None or x.dim() != 3 or x.shape[-1] % 2 or not (x.dtype == cos.dtype == sin.dtype) or (
+        x.dtype not in (torch.float32, torch.bfloat16)
     ):
         return _standard.apply_rotary(x, cos, sin)
     if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):

@@ -597,31 +597,41 @@ int rz_rms_norm_backward(const void *x, int bf16, int64_t outer, int64_t inner, 
 
 static inline float rounded_bf16(float f) { return bf16_value(float_to_bf16(f)); }
 
+/* One half of a row: out[d] = x[d] * c[d] + sign * x[d + shift] * s[d] for d in [0, n); a loop
+   without branches, which the compiler vectorises. */
+static inline void rotary_half_bf16(const uint16_t *restrict x, const uint16_t *restrict partner, float sign,
+                                    const uint16_t *restrict c, const uint16_t *restrict s, int64_t n,
+                                    uint16_t *restrict o) {
+    for (int64_t d = 0; d < n; d++) {
+        const float a = rounded_bf16(bf16_value(x[d]) * bf16_value(c[d]));
+        const float b = rounded_bf16((sign * bf16_value(partner[d])) * bf16_value(s[d]));
+        o[d] = float_to_bf16(a + b);
+    }
+}
+
+static inline void rotary_half_f32(const float *restrict x, const float *restrict partner, float sign,
+                                   const float *restrict c, const float *restrict s, int64_t n, float *restrict o) {
+    for (int64_t d = 0; d < n; d++) o[d] = x[d] * c[d] + (sign * partner[d]) * s[d];
+}
+
 int rz_rotary(const void *x, int bf16, const void *cos, const void *sin, int64_t T, int64_t H, int64_t D, void *out) {
     const int64_t half = D / 2;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < H; h++) {
             const int64_t row = (t * H + h) * D;
+            /* rotate(x) is -x[d + half] in the first half and x[d - half] in the second; the sign
+               flip is exact (sign * v with sign = +-1 is v or -v), so it rounds as torch's neg. */
             if (bf16) {
-                const uint16_t *restrict xr = (const uint16_t *)x + row;
-                const uint16_t *restrict c = (const uint16_t *)cos + t * D, *restrict s = (const uint16_t *)sin + t * D;
-                uint16_t *restrict o = (uint16_t *)out + row;
-                for (int64_t d = 0; d < D; d++) {
-                    const float rotated = d < half ? -bf16_value(xr[d + half]) : bf16_value(xr[d - half]);
-                    const float a = rounded_bf16(bf16_value(xr[d]) * bf16_value(c[d]));
-                    const float b = rounded_bf16(rotated * bf16_value(s[d]));
-                    o[d] = float_to_bf16(a + b);
-                }
+                const uint16_t *xr = (const uint16_t *)x + row, *c = (const uint16_t *)cos + t * D,
+                               *s = (const uint16_t *)sin + t * D;
+                uint16_t *o = (uint16_t *)out + row;
+                rotary_half_bf16(xr, xr + half, -1.0f, c, s, half, o);
+                rotary_half_bf16(xr + half, xr, 1.0f, c + half, s + half, D - half, o + half);
             } else {
-                const float *restrict xr = (const float *)x + row;
-                const float *restrict c = (const float *)cos + t * D, *restrict s = (const float *)sin + t * D;
-                float *restrict o = (float *)out + row;
-                for (int64_t d = 0; d < D; d++) {
-                    const float rotated = d < half ? -xr[d + half] : xr[d - half];
-                    const float a = xr[d] * c[d];
-                    const float b = rotated * s[d];
-                    o[d] = a + b;
-                }
+                const float *xr = (const float *)x + row, *c = (const float *)cos + t * D, *s = (const float *)sin + t * D;
+                float *o = (float *)out + row;
+                rotary_half_f32(xr, xr + half, -1.0f, c, s, half, o);
+                rotary_half_f32(xr + half, xr, 1.0f, c + half, s + half, D - half, o + half);
             }
         }
     }
