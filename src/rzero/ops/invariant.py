@@ -279,9 +279,13 @@ def _operand_rows(x2: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Te
     if rows == length:
         x2 = x2 if x2.dtype == dtype else x2.to(dtype)
         return x2 if x2.is_contiguous() else x2.contiguous()
+    if 2 * rows <= length:  # mostly padding (a few rows of an MoE expert): one zero fill is fewer ops
+        out = x2.new_zeros(length, x2.shape[1], dtype=dtype)
+        out[:rows] = x2
+        return out
     out = x2.new_empty(length, x2.shape[1], dtype=dtype)
     out[:rows] = x2
-    out[rows:].zero_()  # only the padding: a whole-buffer fill costs as much as the copy
+    out[rows:].zero_()  # only the padding: on a prefill a whole-buffer fill costs as much as the copy
     return out
 
 
