@@ -268,3 +268,25 @@ def test_large_bf16_weights_keep_the_bf16_gemm(monkeypatch):
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: "fp32")
     assert torch.equal(ops.INVARIANT.linear(x, weight), bf16_bits)
     assert torch.equal(ops.INVARIANT.linear(x, weight[:256]), ops.INVARIANT.linear(x.float(), weight[:256].float()).bfloat16())
+
+
+@pytest.mark.parametrize("gemm", ["bf16", "fp32"])
+def test_training_gradients_through_the_invariant_linear_are_the_plain_linears(gemm, monkeypatch):
+    """The backward multiplies the forward's operands (on the fp32 route, the widened copies): the
+    gradients are F.linear's on the same values, computed in the GEMM's dtype."""
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: gemm)
+    x, weight = grouping_probe(853, 128, 256, seed=7)  # 853 rows: a zero-padded last tile
+    x, weight = x / 64, (weight / 64).requires_grad_()
+    leaf = x.clone().requires_grad_()
+    upstream = torch.randn(853, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    ops.INVARIANT.linear(leaf, weight).backward(upstream)
+    compute = torch.float32 if gemm == "fp32" else torch.bfloat16
+    g, xc, wc = upstream.to(compute), x.to(compute), weight.detach().to(compute)
+    assert torch.equal(leaf.grad, (g @ wc).bfloat16())
+    assert torch.equal(weight.grad, (g.t() @ xc).bfloat16())
+
+
+def test_an_input_of_another_dtype_than_the_weight_is_refused():
+    x, weight = grouping_probe(20, 128, 256, seed=9)
+    with pytest.raises(TypeError, match="must be of one dtype"):
+        ops.INVARIANT.linear(x.float(), weight)

@@ -297,6 +297,8 @@ def _linear_forward(
     training changes every step and is never packed. `operands`, if given, receives x's rows and
     the (N, K) weight as multiplied (widened on the fp32 route), for the backward to reuse."""
     fp32_route = _fp32_route(weight)
+    if x.dtype != weight.dtype and not fp32_route:
+        raise TypeError(f"invariant linear: input {x.dtype} and weight {weight.dtype} must be of one dtype")
     # The fp32 route multiplies the bf16 values widened exactly to fp32 (see bf16_gemm).
     gemm_weight = _widened(weight, may_prepack) if fp32_route else weight
     x2 = x.reshape(-1, x.shape[-1])
