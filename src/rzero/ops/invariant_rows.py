@@ -73,16 +73,16 @@ class _Rotary(torch.autograd.Function):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding: the C kernel (one pass, the torch expression's bits) where it applies, else
-    the expression itself (rzero.ops.standard)."""
-    if cpu_kernel.library() is None or x.dim() != 3 or x.shape[-1] % 2 or not (x.dtype == cos.dtype == sin.dtype) or (
-        x.dtype not in (torch.float32, torch.bfloat16)
-    ):
+    the expression itself (rzero.ops.standard): no compiler, another layout or dtype, an odd
+    head_dim, or tables that want a gradient (never the model's: they are fixed buffers)."""
+    kernel_fits = (
+        cpu_kernel.library() is not None and x.dim() == 3 and x.shape[-1] % 2 == 0
+        and x.dtype == cos.dtype == sin.dtype and x.dtype in (torch.float32, torch.bfloat16)
+    )
+    grad = torch.is_grad_enabled()
+    if not kernel_fits or (grad and (cos.requires_grad or sin.requires_grad)):
         return _standard.apply_rotary(x, cos, sin)
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
-        if cos.requires_grad or sin.requires_grad:  # not the model's case (fixed tables): autograd does it all
-            return _standard.apply_rotary(x, cos, sin)
-        return _Rotary.apply(x, cos, sin)
-    return cpu_kernel.rotary(x, cos, sin)
+    return _Rotary.apply(x, cos, sin) if grad and x.requires_grad else cpu_kernel.rotary(x, cos, sin)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
