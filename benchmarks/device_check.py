@@ -123,7 +123,7 @@ def timing(model_dir: str, out: str) -> None:
 
 def engine_vs_hf(model_dir: str, out: str, batch: int = 64, new_tokens: int = 128) -> None:
     from rzero.engine import Engine, SamplingParams
-    from rzero.model.io import read_config
+    from rzero.model.io import load_model, read_config
 
     if SMOKE:
         batch, new_tokens = 4, 4
@@ -132,8 +132,9 @@ def engine_vs_hf(model_dir: str, out: str, batch: int = 64, new_tokens: int = 12
     prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist()
                for n in torch.randint(16, 64, (batch,), generator=gen)]
     result = {"batch": batch, "new_tokens": new_tokens, "gpu": _gpu_name()}
+    model = load_model(model_dir, "bf16").to(DEVICE)  # the made model has no tokenizer: token ids in, ids out
     for mode in ("invariant", "standard"):
-        engine = Engine(model_dir, numerics=mode, dtype="bf16", device=DEVICE, eos_token_ids=[],
+        engine = Engine(model, numerics=mode, dtype="bf16", device=DEVICE, eos_token_ids=[],
                         kv_cache_bytes=(64 if SMOKE else 8192) * 1024**2, max_num_seqs=batch, max_num_batched_tokens=8192)
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=1)
         engine.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True, seed=0))  # compile, warm up
@@ -144,6 +145,7 @@ def engine_vs_hf(model_dir: str, out: str, batch: int = 64, new_tokens: int = 12
         assert all(len(o.token_ids) == new_tokens for o in outs)
         result[f"engine_{mode}_tok_s"] = batch * new_tokens / (time.perf_counter() - start)
         del engine
+    del model
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as err:

@@ -66,6 +66,7 @@ PY="$PYTHON $ROOT/benchmarks/device_check.py"
 # log to NAME.log, note the outcome.
 part() {
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   local t0=$(date +%s)
   local left=$(( DEADLINE - t0 ))
   if [ "$left" -lt 10 ]; then
@@ -119,12 +120,12 @@ part train 150 bash -c '"$PYTHON" -m rzero.cli train --steps 50 --set model.devi
 
 part make_model 60 $PY make-model "$WORK/qwen3-0.6b-shape"
 part timing 90 $PY timing "$WORK/qwen3-0.6b-shape" "$PARTS/timing.json"
-part engine_vs_hf 60 $PY engine-vs-hf "$WORK/qwen3-0.6b-shape" "$PARTS/engine_vs_hf.json"
+part engine_vs_hf 120 $PY engine-vs-hf "$WORK/qwen3-0.6b-shape" "$PARTS/engine_vs_hf.json"
 part check_qwen3-0.6b-shape_bf16_invariant 60 bash -c 'check "$@"' _ check_qwen3-0.6b-shape_bf16_invariant \
   --model "$WORK/qwen3-0.6b-shape" --dtype bf16 --numerics invariant
 
 tiny_checks standard 30
-part check_qwen3-0.6b-shape_bf16_standard 40 bash -c 'check "$@"' _ check_qwen3-0.6b-shape_bf16_standard \
+part check_qwen3-0.6b-shape_bf16_standard 90 bash -c 'check "$@"' _ check_qwen3-0.6b-shape_bf16_standard \
   --model "$WORK/qwen3-0.6b-shape" --dtype bf16 --numerics standard
 
 timeout 60 $PY summarize "$PARTS" "$RESULTS"
