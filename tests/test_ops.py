@@ -773,9 +773,9 @@ def test_first_max_is_argmax_with_ties_and_nan():
 
 
 @pytest.mark.parametrize("vocab", [1000, 1024, 64 * 37, 32768, 151936])
-def test_sample_tokens_batched_logs_give_each_row_its_own_bits(vocab):
-    """The Gumbel noise's logs run on chunks of whole rows (sampling._log_chunks); every element
-    must get the bits it gets when its row is logged alone, at 1 and 2 threads."""
+def test_sampler_exp_in_row_chunks_gives_each_row_its_own_bits(vocab):
+    """The sampler's exp runs on chunks of whole rows (sampling._row_chunks); every element must
+    get the bits it gets when its row is exponentiated alone, at 1 and 2 threads."""
     from rzero.ops import sampling
 
     threads = torch.get_num_threads()
@@ -783,21 +783,42 @@ def test_sample_tokens_batched_logs_give_each_row_its_own_bits(vocab):
         for t in (1, 2):
             torch.set_num_threads(t)
             for rows in (1, 3, 64, 129):
-                x = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(rows)).clamp_(min=1e-20)
-                x *= torch.logspace(-30, 0, vocab)  # many binades, so that any change of log kernel shows
+                x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
+                x *= torch.linspace(0.01, 80, vocab)  # many binades, so that any change of exp kernel shows
                 alone = x.clone()
                 for r in range(rows):
-                    alone[r].log_()
+                    alone[r].exp_()
                 chunked = x.clone()
-                for chunk in sampling._log_chunks(chunked):
-                    chunk.log_()
+                for chunk in sampling._row_chunks(chunked):
+                    chunk.exp_()
                 assert torch.equal(alone, chunked), f"vocab {vocab}, rows {rows}, threads {t}"
     finally:
         torch.set_num_threads(threads)
 
 
+def test_inverse_cdf_edges_never_pick_a_truncated_token():
+    """u = 0 picks the first token with mass, the largest float below 1 the last one with mass;
+    tokens the transform truncated (logprob -inf) before, between and after are never picked; a
+    row's token is the same alone and in a batch."""
+    from rzero.ops.sampling import _inverse_cdf
+
+    inf = float("-inf")
+    lp = torch.log_softmax(torch.tensor([[inf, inf, 0.5, inf, 2.0, 1.0, inf, inf],
+                                         [inf, 3.0, inf, inf, inf, inf, inf, inf]]), -1)
+    largest_below_one = torch.tensor(1.0).nextafter(torch.tensor(0.0))
+    for u, expected in [(0.0, [2, 1]), (float(largest_below_one), [5, 1]), (0.5, [4, 1])]:
+        uniform = torch.full((2,), u)
+        assert _inverse_cdf(lp, uniform).tolist() == expected, u
+        assert [int(_inverse_cdf(lp[i : i + 1], uniform[i : i + 1])) for i in range(2)] == expected
+    # The cut points: the first token takes u < p0, the next u in [p0, p0 + p1), and so on.
+    probs = lp[0].exp()
+    first_cut = float(probs[2])
+    assert _inverse_cdf(lp[:1], torch.tensor([first_cut * 0.999])).item() == 2
+    assert _inverse_cdf(lp[:1], torch.tensor([first_cut * 1.001])).item() == 4
+
+
 def test_sample_tokens_frequencies_match_distribution():
-    """Empirical frequencies of Gumbel-max sampling match exp(logprobs) (chi-square, fixed seed);
+    """Empirical frequencies of the sampler match exp(logprobs) (chi-square, fixed seed);
     tokens masked by the transform are never drawn."""
     logits = torch.tensor([[1.5, 0.2, -0.3, 1.0, -2.0, 0.7, -5.0, 0.0]])
     lp = INVARIANT.transformed_logprobs(logits, SamplingTransform(temperature=0.9, top_k=6))

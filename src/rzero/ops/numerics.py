@@ -162,7 +162,7 @@ class Numerics:
     def sample_tokens(
         self, logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
-        """One token per row (Gumbel-max with each row's own generator; argmax for greedy rows)."""
+        """One token per row (inverse CDF at a uniform from each row's own generator; argmax for greedy rows)."""
         return _sampling.sample_tokens(logprobs, greedy, generators)
 
 

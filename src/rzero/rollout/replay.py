@@ -5,7 +5,7 @@ version), the tokens before it, and its request's generator (seeded from the run
 index, the sample and the turn; nothing else). With `invariant` numerics the engine's logits for
 a token do not depend on the batch it was decoded in, nor on decode vs prefill, so one prefill
 of each recorded sequence under each of its versions reproduces the original logits bit for bit,
-and the same Gumbel draws pick the same tokens with the same behaviour logprobs μ. Under
+and the same uniform draws pick the same tokens with the same behaviour logprobs μ. Under
 `standard` numerics the logits of a token depend on its batch, and a replay finds the step where
 the recorded bits cannot be drawn again.
 
