@@ -26,7 +26,7 @@ from rzero.run.ranks import TrainerRanks  # noqa: E402
 from rzero.train.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train import NONDETERMINISTIC, DigitSevenEnv, metrics, small_config  # noqa: E402
+from test_train import NONDETERMINISTIC, EvenLengthEnv, metrics, small_config  # noqa: E402
 
 # 16 rollouts of ~15 tokens a step: 64 tokens per micro-batch gives 4 micro-batches per step.
 SYNC = ("rollout.max_lag=0", "train.micro_batch_tokens=64", "train.schedule=constant", "train.warmup_steps=0")
@@ -49,7 +49,7 @@ def quiet(*args):
 
 def run(tmp_path, name, *overrides, resume=False):
     config = small_config(tmp_path, *SYNC, *overrides)
-    return train(config, tmp_path / name, resume=resume, progress=False, env=DigitSevenEnv(), log=quiet)
+    return train(config, tmp_path / name, resume=resume, progress=False, env=EvenLengthEnv(), log=quiet)
 
 
 def final_weights(run_dir, step):
@@ -151,13 +151,13 @@ def test_killed_rank_stops_the_run_with_a_clear_error(tmp_path):
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     with pytest.raises(RuntimeError, match=r"trainer rank 1 died .*resume with --resume"):
-        train(config, run_dir, progress=False, env=DigitSevenEnv(), log=lines.append)
+        train(config, run_dir, progress=False, env=EvenLengthEnv(), log=lines.append)
     assert "t" in killed_at and time.time() - killed_at["t"] < 30
     steps = len(metrics(run_dir))
     assert 3 <= steps < 500
     # --resume with world_size 2 continues from the last checkpoint.
     resumed = load_config(run_dir / "config.toml", [f"train.steps={steps + 2}"])
-    train(resumed, run_dir, resume=True, progress=False, env=DigitSevenEnv(), log=quiet)
+    train(resumed, run_dir, resume=True, progress=False, env=EvenLengthEnv(), log=quiet)
     assert [m["step"] for m in metrics(run_dir)] == list(range(steps + 2))
 
 

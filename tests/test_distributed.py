@@ -29,12 +29,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_process_backend import SRC, every_group_once, same_but_timing, sync_config  # noqa: E402
 
 
-class DigitSevenEnv(ArithmeticEnv):
-    """Reward 1 for any completion containing a 7: mixed rewards from step 0, so the weights really
-    change between versions. Defined here on purpose: actors get it by value (cloudpickle)."""
+class EvenLengthEnv(ArithmeticEnv):
+    """Reward 1 for a completion of an even number of characters: about half of a random model's
+    completions, so groups have mixed rewards from step 0 and the weights really change between
+    versions. Defined here on purpose: actors get it by value (cloudpickle)."""
 
     def reward(self, task, completion):
-        return 1.0 if "7" in completion else 0.0
+        return 1.0 if len(completion) % 2 == 0 else 0.0
 
 
 def run_killing_a_worker(config, run_dir, worker_pid, timeout: float = 60, runner=None) -> tuple[list[dict], list[int]]:
@@ -72,7 +73,7 @@ def local_ray():
 
 
 def run(config, run_dir, env=None) -> list[dict]:
-    train(config, run_dir, progress=False, env=env if env is not None else DigitSevenEnv(), log=lambda *a: None)
+    train(config, run_dir, progress=False, env=env if env is not None else EvenLengthEnv(), log=lambda *a: None)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -98,7 +99,7 @@ def test_resume_on_ray_continues_the_run_bitwise(local_ray, local_sync, tmp_path
     first = sync_config("rollout.backend=ray", "rollout.workers=2", "train.steps=3", "run.checkpoint_every=3")
     run(first, run_dir)
     train(sync_config("rollout.backend=ray", "rollout.workers=2"), run_dir, resume=True, progress=False,
-          env=DigitSevenEnv(), log=lambda *a: None)
+          env=EvenLengthEnv(), log=lambda *a: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     same_but_timing(local_sync, rows)
     every_group_once(rows)
@@ -243,11 +244,11 @@ def test_unreachable_address_fails_within_the_timeout_in_one_line(tmp_path):
 def test_impossible_resource_request_names_the_gpu_before_training(local_ray, tmp_path):
     config = sync_config("rollout.backend=ray", "rollout.gpus_per_worker=1")
     with pytest.raises(ValueError, match="GPU"):
-        train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None)
+        train(config, tmp_path / "run", progress=False, env=EvenLengthEnv(), log=lambda *a: None)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-class BrokenTaskEnv(DigitSevenEnv):
+class BrokenTaskEnv(EvenLengthEnv):
     """A bug outside the episode protocol: building task 5 raises (inside the actor)."""
 
     def task(self, index):

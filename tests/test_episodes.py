@@ -128,12 +128,17 @@ def test_multi_turn_sync_training_has_unit_ratios(tmp_path):
 
     class TurnsEnv(ScriptedEnv):
         def reward(self, task, completion):  # mixed rewards, so the weights really change
-            return 1.0 if "7" in completion.split(RESPONSE)[-1] else 0.0
+            return 1.0 if len(completion.split(RESPONSE)[-1]) % 2 == 0 else 0.0
 
     run_dir = train(config, tmp_path / "run", progress=False, env=TurnsEnv(max_turns=2), log=lambda *a: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    record = {e["step"]: e for e in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())}
     assert len(rows) == 3
     for m in rows:
         assert m["rollout/turns_mean"] == 2.0
         assert m["is/peak_over_median"] == 1.0 and m["mismatch/kernel_max_abs"] == 0.0
-        assert m["train/completion_tokens"] == 3 * 4 * 2 * 4  # model tokens only, env tokens masked
+        # Model tokens only, env tokens masked: at most 4 per turn (fewer where a turn drew EOS).
+        samples = [r for group in record[m["step"]]["rollouts"] for r in group]
+        model_tokens = sum(sum(r["mask"]) for r in samples)
+        env_tokens = sum(len(r["mask"]) - sum(r["mask"]) for r in samples)
+        assert m["train/completion_tokens"] == model_tokens <= 3 * 4 * 2 * 4 and env_tokens > 0

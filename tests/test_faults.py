@@ -21,12 +21,12 @@ from rzero.train.trainer import Trainer, TrainerSettings
 
 
 class FlakyEnv(ArithmeticEnv):
-    """Every third task's reward function raises; the others reward any 7 in the completion."""
+    """Every third task's reward function raises; the others reward a completion of even length."""
 
     def reward(self, task, completion):
         if task.index % 3 == 0:
             raise RuntimeError("grader crashed")
-        return 1.0 if "7" in completion else 0.0
+        return 1.0 if len(completion) % 2 == 0 else 0.0
 
 
 def config(*overrides):

@@ -27,15 +27,16 @@ NONDETERMINISTIC = ("time/", "tokens/s", "rollout/queued_groups", "rollout/in_fl
 STEPS, PROMPTS = 6, 4
 
 
-class DigitSevenEnv(ArithmeticEnv):
-    """Reward 1 for any completion containing a 7: mixed rewards, so the weights really change.
-    Defined in this test module: the worker processes unpickle it from here (the driver's sys.path)."""
+class EvenLengthEnv(ArithmeticEnv):
+    """Reward 1 for a completion of an even number of characters: mixed rewards, so the weights
+    really change. Defined in this test module: the worker processes unpickle it from here (the
+    driver's sys.path)."""
 
     def reward(self, task, completion):
-        return 1.0 if "7" in completion else 0.0
+        return 1.0 if len(completion) % 2 == 0 else 0.0
 
 
-class BrokenTaskEnv(DigitSevenEnv):
+class BrokenTaskEnv(EvenLengthEnv):
     """Fails outside the episode protocol: building task 5 raises, in the worker."""
 
     def task(self, index):
@@ -53,7 +54,7 @@ def sync_config(*overrides):
 
 
 def run(config, run_dir, env=None) -> list[dict]:
-    train(config, run_dir, progress=False, env=env if env is not None else DigitSevenEnv(), log=lambda *a: None)
+    train(config, run_dir, progress=False, env=env if env is not None else EvenLengthEnv(), log=lambda *a: None)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -99,7 +100,7 @@ def test_auto_is_processes_on_the_cpu_and_threads_for_what_cannot_be_pickled():
     assert load_config(None).rollout.backend == "auto"
     assert resolved_backend(load_config(None)) == "process"
     assert resolved_backend(load_config(None, ["rollout.backend=local"])) == "local"
-    unpicklable = DigitSevenEnv()
+    unpicklable = EvenLengthEnv()
     unpicklable.hook = lambda: None  # a lambda does not pickle
     assert resolved_backend(load_config(None), unpicklable) == "local"
 
@@ -124,7 +125,7 @@ def test_prespawned_interpreters_that_no_backend_takes_are_stopped():
     assert worker_pids(os.getpid()) == []
 
 
-class DiesOnceEnv(DigitSevenEnv):
+class DiesOnceEnv(EvenLengthEnv):
     """SIGKILLs its own rollout worker process while grading the first sample of group
     `PROMPTS + 1` (step 1), once per run (the marker file): a kill -9 that always lands with groups
     in flight, however slow the machine. (A kill from outside, timed by the clock, can land after
@@ -161,7 +162,7 @@ def test_an_error_in_a_worker_reaches_the_trainer_with_its_traceback(tmp_path):
 
 
 def test_an_environment_that_cannot_be_pickled_is_refused_in_one_line(tmp_path):
-    env = DigitSevenEnv()
+    env = EvenLengthEnv()
     env.hook = lambda: None
     with pytest.raises(ValueError, match="cannot be sent to rollout worker processes.*rollout.backend = 'local'"):
         run(sync_config("rollout.backend=process"), tmp_path / "run", env=env)

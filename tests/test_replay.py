@@ -8,7 +8,7 @@ import pytest
 
 from rzero.run.loop import replay_run, train
 from rzero.run.record import ReplayDiverged, RolloutRecord, compare_runs
-from test_train import DigitSevenEnv, metrics, small_config
+from test_train import EvenLengthEnv, metrics, small_config
 
 QUIET = dict(progress=False, log=lambda *a: None)
 
@@ -18,7 +18,7 @@ def async_run(tmp_path, name, *overrides):
     new weights while samples are in flight and their tokens carry several versions."""
     config = small_config(tmp_path, "rollout.max_lag=4", "rollout.max_tokens=16", "train.steps=8",
                           "run.checkpoint_every=4", *overrides)
-    return train(config, tmp_path / name, env=DigitSevenEnv(), **QUIET)
+    return train(config, tmp_path / name, env=EvenLengthEnv(), **QUIET)
 
 
 def in_flight_switches(run_dir) -> int:
@@ -112,7 +112,7 @@ def test_resume_replays_the_recorded_steps_after_the_checkpoint(tmp_path, invari
     logs = []
     config = small_config(tmp_path, "rollout.max_lag=4", "rollout.max_tokens=16", "train.steps=10",
                           "run.checkpoint_every=4")
-    train(config, crashed, resume=True, overrides=["train.steps=10"], env=DigitSevenEnv(), progress=False,
+    train(config, crashed, resume=True, overrides=["train.steps=10"], env=EvenLengthEnv(), progress=False,
           log=logs.append)
     assert any("replayed the recorded steps up to 7 exactly" in line for line in logs), logs
     rows = metrics(crashed)
@@ -172,7 +172,7 @@ def test_replay_of_a_multi_turn_async_run_with_tool_responses(tmp_path):
 
     class TurnsEnv(ScriptedEnv):
         def reward(self, task, completion):  # mixed rewards, so the weights really change
-            return 1.0 if "7" in completion.split(RESPONSE)[-1] else 0.0
+            return 1.0 if len(completion.split(RESPONSE)[-1]) % 2 == 0 else 0.0
 
     config = small_config(tmp_path, "rollout.max_lag=3", "rollout.max_tokens=6", "train.steps=5",
                           "run.checkpoint_every=5")

@@ -19,12 +19,14 @@ from rzero.run.loop import prepare_base_model, train
 NONDETERMINISTIC = ("time/", "tokens/s", "rollout/queued_groups", "rollout/in_flight_groups")
 
 
-class DigitSevenEnv(ArithmeticEnv):
-    """Reward 1 for any completion containing a 7: a random model gets mixed rewards, so every
-    step has nonzero advantages and the weights really change between versions."""
+class EvenLengthEnv(ArithmeticEnv):
+    """Reward 1 for a completion of an even number of characters: about half of a random model's
+    completions (only 1 of the tiny tokenizer's 1024 tokens holds a 7, so a "contains 7" rule left
+    whole runs at reward 0), so every step has nonzero advantages and the weights really change
+    between versions."""
 
     def reward(self, task, completion):
-        return 1.0 if "7" in completion else 0.0
+        return 1.0 if len(completion) % 2 == 0 else 0.0
 
 
 def small_config(tmp_path, *overrides):
@@ -49,7 +51,7 @@ def metrics(run_dir):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_invariant_sync_run_has_unit_ratios(tmp_path, dtype):
     config = small_config(tmp_path, "rollout.max_lag=0", "train.steps=3", f"model.dtype={dtype}")
-    rows = metrics(train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None))
+    rows = metrics(train(config, tmp_path / "run", progress=False, env=EvenLengthEnv(), log=lambda *a: None))
     assert len(rows) == 3
     for m in rows:
         assert m["is/peak_over_median"] == 1.0 and m["is/peak"] == 1.0 and m["is/ess"] == 1.0
@@ -59,7 +61,7 @@ def test_invariant_sync_run_has_unit_ratios(tmp_path, dtype):
 
 def test_invariant_async_run_has_zero_kernel_mismatch(tmp_path):
     config = small_config(tmp_path, "rollout.max_lag=2", "train.steps=5")
-    rows = metrics(train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None))
+    rows = metrics(train(config, tmp_path / "run", progress=False, env=EvenLengthEnv(), log=lambda *a: None))
     assert all(m["mismatch/kernel_max_abs"] == 0.0 for m in rows)
     assert all(m["lag/max"] <= 2 for m in rows)
     lagged = [m for m in rows if m["lag/max"] > 0]
@@ -70,7 +72,7 @@ def test_invariant_async_run_has_zero_kernel_mismatch(tmp_path):
 
 def test_weight_update_interval_loads_weights_less_often_and_stays_exact(tmp_path):
     config = small_config(tmp_path, "rollout.max_lag=3", "rollout.weight_update_interval=3", "train.steps=6")
-    rows = metrics(train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None))
+    rows = metrics(train(config, tmp_path / "run", progress=False, env=EvenLengthEnv(), log=lambda *a: None))
     # Versions 0..6 are published; engines load version 0 and then only every third: at most 3.
     assert rows[-1]["rollout/weight_loads"] <= 3
     assert all(m["mismatch/kernel_max_abs"] == 0.0 and m["lag/max"] <= 3 for m in rows)
@@ -85,7 +87,7 @@ def test_weight_update_interval_beyond_max_lag_is_rejected():
 
 def test_standard_numerics_show_kernel_mismatch(tmp_path):
     config = small_config(tmp_path, "model.numerics=standard", "model.dtype=fp32", "train.steps=2")
-    rows = metrics(train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None))
+    rows = metrics(train(config, tmp_path / "run", progress=False, env=EvenLengthEnv(), log=lambda *a: None))
     assert all(m["mismatch/kernel_max_abs"] > 0 for m in rows)
     assert any(m["is/peak_over_median"] > 1.0 for m in rows)
 
@@ -139,7 +141,7 @@ def test_engines_in_another_dtype_show_the_kernel_mismatch(tmp_path):
     """The common-stack control (rollout.engine_dtype): engines sampling in bf16 for a trainer
     scoring in fp32 give w != 1 at lag 0, and the decomposition puts it all in the kernel part."""
     config = small_config(tmp_path, "model.dtype=fp32", "rollout.engine_dtype=bf16", "rollout.max_lag=0", "train.steps=2")
-    train(config, tmp_path / "run", progress=False, env=DigitSevenEnv(), log=lambda *a: None)
+    train(config, tmp_path / "run", progress=False, env=EvenLengthEnv(), log=lambda *a: None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["lag/max"] == 0 and m["mismatch/lag_max_abs"] == 0.0 for m in rows)
     assert all(m["mismatch/kernel_max_abs"] > 1e-4 and m["is/peak"] != 1.0 for m in rows)
