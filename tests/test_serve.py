@@ -485,6 +485,7 @@ def test_client_disconnect_aborts_the_request(base_url, engine, monkeypatch):
     aborted = []
     real_abort = engine.abort
     monkeypatch.setattr(engine, "abort", lambda request_id: (aborted.append(request_id), real_abort(request_id)))
+    monkeypatch.setattr(engine, "eos_token_ids", set())  # both requests run the whole 900 tokens unless aborted
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "seed": 1}
     with httpx.stream("POST", base_url + "/completions", json={**body, "stream": True}, timeout=30) as response:
         assert next(response.iter_lines()).startswith("data: ")
