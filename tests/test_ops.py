@@ -788,9 +788,9 @@ def test_sampler_exp_in_row_chunks_gives_each_row_its_own_bits(vocab):
                 alone = x.clone()
                 for r in range(rows):
                     alone[r].exp_()
-                chunked = x.clone()
-                for chunk in sampling._row_chunks(chunked):
-                    chunk.exp_()
+                chunked = torch.empty_like(x)  # as the sampler does it: exp of each chunk into a buffer
+                for chunk, out in zip(sampling._row_chunks(x), sampling._row_chunks(chunked)):
+                    torch.exp(chunk, out=out)
                 assert torch.equal(alone, chunked), f"vocab {vocab}, rows {rows}, threads {t}"
     finally:
         torch.set_num_threads(threads)
@@ -810,6 +810,11 @@ def test_inverse_cdf_edges_never_pick_a_truncated_token():
         uniform = torch.full((2,), u)
         assert _inverse_cdf(lp, uniform).tolist() == expected, u
         assert [int(_inverse_cdf(lp[i : i + 1], uniform[i : i + 1])) for i in range(2)] == expected
+    # Rows in groups (300 rows of 1024: two groups) draw what each row draws alone.
+    rows = torch.log_softmax(torch.randn(300, 1024, generator=torch.Generator().manual_seed(1)) * 3, -1)
+    uniform = torch.rand(300, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([_inverse_cdf(rows[i : i + 1], uniform[i : i + 1]) for i in range(300)])
+    assert torch.equal(_inverse_cdf(rows, uniform), alone) and len(set(alone.tolist())) > 100
     # The cut points: the first token takes u < p0, the next u in [p0, p0 + p1), and so on.
     probs = lp[0].exp()
     first_cut = float(probs[2])

@@ -76,6 +76,7 @@ def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
 # element exactly those bits, for one op call instead of one per row.
 _ROW_MULTIPLE = 64
 _PARALLEL_GRAIN = 32768
+_GROUP_ELEMENTS = 1 << 18
 
 
 def _row_chunks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -117,13 +118,22 @@ def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     where the scan rose, so one with mass, never one the transform truncated: u <= 1 - 2^-24 (a
     float draw), and u * total then rounds to below the total.
     """
-    if logprobs.device.type == "cpu":
-        probs = logprobs.clone()
-        for chunk in _row_chunks(probs):
-            chunk.exp_()
-    else:
-        probs = logprobs.exp()
-    cumulative = _row_cumsum(probs)
+    if logprobs.device.type != "cpu":
+        return _search(_row_cumsum(logprobs.exp()), uniform)
+    # In groups of rows of about 1 MB: a buffer that size comes back from the heap, while one for a
+    # whole batch (39 MB at 64 x 152k) is fresh pages every step, and faulting them in cost more
+    # than the exp and the scan together.
+    group = max(1, _GROUP_ELEMENTS // logprobs.shape[-1])
+    tokens = []
+    for rows, row_uniform in zip(logprobs.split(group), uniform.split(group)):
+        probs = torch.empty_like(rows)
+        for chunk, out in zip(_row_chunks(rows), _row_chunks(probs)):
+            torch.exp(chunk, out=out)
+        tokens.append(_search(probs.cumsum_(-1), row_uniform))  # the CPU scan: sequential per row
+    return tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+
+
+def _search(cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     threshold = uniform[:, None] * cumulative[:, -1:]
     return torch.searchsorted(cumulative, threshold, right=True)[:, 0]
 
