@@ -52,6 +52,17 @@ static inline void key_offsets(const int64_t *table, int64_t n, int64_t block, i
     }
 }
 
+/* Software prefetch of the cache row PREFETCH_AHEAD positions ahead. One KV head's rows of
+   consecutive positions lie Hkv rows apart, in blocks anywhere in the cache: the hardware
+   prefetcher does not follow that, and at a 0.6B model's decode the loads stalled on memory half
+   the time (docs/benchmarks.md, seventh session). No arithmetic: the bits cannot change. */
+#define PREFETCH_AHEAD 8
+static inline void prefetch_row(const void *base, int bf16, int64_t offset, int64_t D) {
+    const char *p = (const char *)base + offset * (bf16 ? 2 : 4);
+    const int64_t bytes = D * (bf16 ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
 /* The fixed tree that adds a dot product's 16 lane sums: l += l + 8, += l + 4, += l + 2, then 0 + 1. */
 static inline float lane_tree(float acc[LANES]) {
     for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
@@ -196,6 +207,7 @@ static inline __attribute__((always_inline)) void weighted_sum_pair(
     __m512 a[8], b[8];
     for (int c = 0; c < chunks; c++) a[c] = b[c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (j + PREFETCH_AHEAD < n) prefetch_row(v_cache, bf16, offsets[j + PREFETCH_AHEAD], 16 * chunks);
         const __m512 wa = _mm512_set1_ps(e_a[j]), wb = _mm512_set1_ps(e_b[j]);
         for (int c = 0; c < chunks; c++) {
             const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
@@ -269,6 +281,7 @@ static void *run_job(void *arg) {
         }
         key_offsets(table, n, block, Hkv, h, D, offsets);
         for (int64_t j = 0; j < n; j++) {
+            if (j + PREFETCH_AHEAD < n) prefetch_row(job->k_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
             const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
             for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot_row(q + g * Dp, key, Dp);
         }
@@ -402,6 +415,7 @@ static void *run_backward(void *arg) {
             key_offsets(table, n, block, Hkv, h, D, offsets);
             /* Scores, then probabilities, as in the forward (up to the division's rounding). */
             for (int64_t j = 0; j < n; j++) {
+                if (j + PREFETCH_AHEAD < n) prefetch_row(job->k_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
                 const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
                 for (int64_t g = 0; g < G; g++) p[g * n + j] = dot_row(q + g * Dp, key, Dp);
             }
@@ -416,6 +430,7 @@ static void *run_backward(void *arg) {
             }
             /* dP = dO . v_j and the softmax backward's row term sum_j p_j dP_j. */
             for (int64_t j = 0; j < n; j++) {
+                if (j + PREFETCH_AHEAD < n) prefetch_row(job->v_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
                 const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
                 for (int64_t g = 0; g < G; g++) {
                     dp[g * n + j] = dot_row(go + g * Dp, value, Dp);
