@@ -782,18 +782,19 @@ def test_top_logprobs_change_nothing_else(model_dir):
 
 
 
-@pytest.mark.parametrize("gemm", ["bf16", "fp32"])
+@pytest.mark.parametrize("gemm", ["bf16", "fp32", "fp32-panels"])
 def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update(gemm, monkeypatch):
     """At hidden size 1024 (a 0.6B model's K), on the bf16 GEMM the engine's decode linears run on
     prepacked weights (`invariant.prepack_proven`) and the trainer's on mm tiles; on the fp32 GEMM
-    (CPUs without AMX) the engine's on cached fp32 copies and the trainer's on fresh ones. Each
-    behaviour logprob must still be the trainer's at its token's version, across an in-place
-    weight update that repacks (or widens again) them."""
+    (CPUs without AMX) the engine's on cached fp32 copies (or column panels, from PANEL_MIN
+    elements) and the trainer's on fresh ones. Each behaviour logprob must still be the trainer's
+    at its token's version, across an in-place weight update that repacks (or widens again) them."""
     from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
     from rzero.ops import invariant
 
-    monkeypatch.setattr(invariant, "bf16_gemm", lambda: gemm)
-    monkeypatch.setattr(invariant, "FP32_ROUTE_MAX", 1 << 62)  # every weight of this model on the fp32 GEMM
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: gemm.split("-")[0])
+    if gemm == "fp32":
+        monkeypatch.setattr(invariant, "PANEL_MIN", 1 << 62)  # every weight on the (N, K) fp32 route
 
     config = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True)

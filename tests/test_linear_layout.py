@@ -15,7 +15,7 @@ from test_ops import PROBE_SHAPES
 from rzero import ops
 from rzero.model.presets import PRESETS
 from rzero.ops import AttentionMeta, invariant
-from rzero.ops.invariant import grouping_probe
+from rzero.ops.invariant import ROW_TILE, grouping_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (K, [N of each packed projection]): tiny presets' q/k/v and gate/up, a Qwen3-0.6B layer's, and
@@ -236,7 +236,7 @@ def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypat
     exactly widened values, rounded to bf16, whatever the row count, the thread count, the packing
     and whether a gradient is wanted; a weight load (in place) is followed."""
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: "fp32")
-    monkeypatch.setattr(invariant, "FP32_ROUTE_MAX", 1 << 62)  # K x N of a 0.6B layer too
+    monkeypatch.setattr(invariant, "PANEL_MIN", 1 << 62)  # K x N of a 0.6B layer too, on the (N, K) route
     x, weight = grouping_probe(160, K, N, seed=K + N)
     threads = torch.get_num_threads()
     try:
@@ -258,16 +258,41 @@ def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypat
         torch.set_num_threads(threads)
 
 
-def test_large_bf16_weights_keep_the_bf16_gemm(monkeypatch):
-    """Where bf16 linears take the fp32 GEMM, a weight from FP32_ROUTE_MAX elements on keeps the
-    bf16 GEMM's bits (decode of a large model streams its weights: fp32 copies double the bytes)."""
-    monkeypatch.setattr(invariant, "FP32_ROUTE_MAX", 128 * 512)
-    x, weight = grouping_probe(48, 128, 512, seed=5)
-    monkeypatch.setattr(invariant, "bf16_gemm", lambda: "bf16")
-    bf16_bits = ops.INVARIANT.linear(x, weight)
+@pytest.mark.parametrize("K,N", [(1024, 1100), (3072, 1024)])
+def test_large_bf16_weights_on_the_fp32_gemm_run_in_column_panels_with_one_thread_bits(K, N, monkeypatch):
+    """From PANEL_MIN elements on, the fp32 route multiplies 512-column panels of the widened weight
+    by one bmm (N = 1100: a zero-padded last panel). Every row gets the bits of a one-thread fp32
+    GEMM of a 16-row tile on the whole row-major weight, whatever the row count (tiles of up to
+    PANEL_ROWS), the thread count, the packing and whether a gradient is wanted; an in-place load is
+    followed; the gradients are the plain GEMMs' on the widened values."""
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: "fp32")
-    assert torch.equal(ops.INVARIANT.linear(x, weight), bf16_bits)
-    assert torch.equal(ops.INVARIANT.linear(x, weight[:256]), ops.INVARIANT.linear(x.float(), weight[:256].float()).bfloat16())
+    assert K * N >= invariant.PANEL_MIN
+    x, weight = grouping_probe(300, K, N, seed=K + 3 * N)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = weight.float().t().contiguous()
+        expected = torch.cat([torch.mm(tile, whole) for tile in x.float().split(ROW_TILE)]).bfloat16()
+        fused, (view,) = ops.packed([weight.clone()])
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            for m in (1, 5, 16, 48, 128, 160, 300):
+                assert torch.equal(ops.INVARIANT.linear(x[:m], weight), expected[:m]), (m, t)
+                assert torch.equal(ops.INVARIANT.linear(x[:m], view), expected[:m]), (m, t)
+                w = weight.clone().requires_grad_()
+                assert torch.equal(ops.INVARIANT.linear(x[:m], w), expected[:m]), (m, t)
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            view.copy_(-weight)  # an in-place load: the cached panels must follow it
+        assert torch.equal(ops.INVARIANT.linear(x, view), -expected)
+        leaf, w = (x[:40] / 64).requires_grad_(), (weight / 64).requires_grad_()
+        upstream = torch.randn(40, N, generator=torch.Generator().manual_seed(1)).bfloat16()
+        ops.INVARIANT.linear(leaf, w).backward(upstream)
+        g, xc, wc = upstream.float(), (x[:40] / 64).float(), (weight / 64).float()
+        assert torch.equal(leaf.grad, (g @ wc).bfloat16())
+        assert torch.equal(w.grad, (g.t() @ xc).bfloat16())
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("gemm", ["bf16", "fp32"])

@@ -13,8 +13,10 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   tiles of 64-1024 rows where a grouping probe run once per weight shape, dtype and thread count
   proves they give a 16-row tile's bits (`big_tiles`); decode-size inputs on bf16 weights with
   K >= 1024 run on a oneDNN-prepacked weight where a probe proves the same bits (`prepack_proven`).
-  The backward is plain (F.linear's math). On CPUs without AMX a bf16 linear on a weight below
-  FP32_ROUTE_MAX elements runs all this on the fp32 GEMM, the bf16 values widened (`bf16_gemm`).
+  The backward is plain (F.linear's math). On CPUs without AMX a bf16 linear runs on the fp32
+  GEMM, the bf16 values widened (`bf16_gemm`): below PANEL_MIN weight elements all of the above on
+  the widened (N, K) weight, from it on one bmm over 512-column panels of 16-128-row tiles, whose
+  batched GEMMs run one per thread and so give every thread count the same bits.
 The row and elementwise ops below live in rzero/ops/invariant_rows.py, attention in
 rzero/ops/invariant_attention.py; this module holds the linear layers and is the numerics' one
 namespace (it re-exports them).
@@ -67,17 +69,23 @@ BIG_TILES = (1024, 512, 256, 128, 64)  # largest first
 PREPACK_MIN_K = 1024
 
 
-# Weights from this many elements on keep the bf16 GEMM even where `bf16_gemm()` is "fp32": a
-# large model's decode streams its weights every step, and an fp32 copy doubles the bytes
-# (measured at the Qwen3-0.6B shape, 2 threads, batch 64: 59 tok/s on the bf16 GEMM, 46 on the
-# fp32 one; docs/benchmarks.md, fifth session). The tiny presets' weights are all below it.
-FP32_ROUTE_MAX = 1 << 20
+# Large bf16 weights on the fp32 route (from PANEL_MIN elements: a 0.6B model's, none of the tiny
+# presets') are multiplied in column panels of PANEL_COLUMNS by one bmm over the panels. A batched
+# GEMM runs each panel on one thread, so a row gets the bits of a one-thread (rows, K) x (K, 512)
+# GEMM whatever the thread count, and up to PANEL_ROWS rows per call give every row the bits of a
+# 16-row tile (probed: tests/test_linear_layout.py, over row counts, threads and panel widths). At
+# the 0.6B shape's decode (64 rows, 2 threads) this took 0.3-0.5x the oneDNN-prepacked bf16 GEMM's
+# time (docs/benchmarks.md, seventh session), where the fp32 (N, K) route's 16-row tiles were slower
+# than bf16: on two threads it proves no tile below 256 rows.
+PANEL_MIN = 1 << 20
+PANEL_COLUMNS = 512
+PANEL_ROWS = 128
 
 
 def _fp32_route(weight: torch.Tensor) -> bool:
-    """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of its shape, so the engine
-    and the trainer always agree)."""
-    return weight.dtype == torch.bfloat16 and weight.numel() < FP32_ROUTE_MAX and bf16_gemm() == "fp32"
+    """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of the machine, the same for
+    the engine and the trainer)."""
+    return weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32"
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,32 +235,68 @@ def _prepack_pays(wt: torch.Tensor) -> bool:
     return wt.dtype == torch.bfloat16 and wt.shape[0] >= PREPACK_MIN_K and prepack_proven(*wt.shape, torch.get_num_threads())
 
 
-# (id of the weight's storage owner, data pointer, shape, strides) -> (weakref to the owner, its
-# version when widened, the fp32 copy). Keyed by the view, not the tensor object: the MoE experts'
+# (what, id of the weight's storage owner, data pointer, shape, strides) -> (weakref to the owner,
+# its version when made, the fp32 copy). Keyed by the view, not the tensor object: the MoE experts'
 # weights are fresh views of one stacked tensor on every call.
 _WIDENED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def _widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
-    """The bf16 weight as a contiguous (N, K) fp32 tensor, the layout of an fp32 model's weight (it
-    decides the fp32 GEMM's bits). Kept beside the weight when no gradient is wanted (the engine):
-    built on first use and again whenever the weight changes (its version counter moves)."""
-    def widen() -> torch.Tensor:
-        return weight.to(torch.float32, memory_format=torch.contiguous_format)
-
+def _kept_beside(weight: torch.Tensor, may_cache: bool, what: str, make) -> torch.Tensor:
+    """make() (an fp32 copy of the bf16 weight), kept beside the weight when no gradient is wanted
+    (the engine): built on first use and again whenever the weight changes (its version counter
+    moves)."""
     if not may_cache:
-        return widen()
+        return make()
     try:
         version = weight._version
     except RuntimeError:  # made under inference mode: no version counter to watch
-        return widen()
+        return make()
     owner = weight if weight._base is None else weight._base
-    key = (id(owner), weight.data_ptr(), tuple(weight.shape), weight.stride())
+    key = (what, id(owner), weight.data_ptr(), tuple(weight.shape), weight.stride())
     entry = _WIDENED.get(key)
     if entry is None or entry[0]() is not owner or entry[1] != version:
         ref = weakref.ref(owner, lambda _, key=key: _WIDENED.pop(key, None))
-        entry = _WIDENED[key] = (ref, version, widen())
+        entry = _WIDENED[key] = (ref, version, make())
     return entry[2]
+
+
+def _widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
+    """The bf16 weight as a contiguous (N, K) fp32 tensor, the layout of an fp32 model's weight (it
+    decides the fp32 GEMM's bits)."""
+    return _kept_beside(weight, may_cache, "rows", lambda: weight.to(torch.float32, memory_format=torch.contiguous_format))
+
+
+def _panels(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
+    """The (N, K) bf16 weight widened into (C, K, PANEL_COLUMNS) fp32 column panels of its (K, N)
+    transpose, the last one zero-padded."""
+    def make() -> torch.Tensor:
+        n, k = weight.shape
+        full, rest = divmod(n, PANEL_COLUMNS)
+        panels = torch.zeros(full + (rest > 0), k, PANEL_COLUMNS, dtype=torch.float32, device=weight.device)
+        by_row = panels.permute(1, 0, 2)  # (K, C, PANEL_COLUMNS) view
+        wt = weight.t()
+        by_row[:, :full].copy_(wt[:, : full * PANEL_COLUMNS].view(k, full, PANEL_COLUMNS))
+        if rest:
+            by_row[:, full, :rest].copy_(wt[:, full * PANEL_COLUMNS :])
+        return panels
+
+    return _kept_beside(weight, may_cache, "panels", make)
+
+
+def _panel_linear(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x2 (rows, K) bf16 times a large bf16 weight on the fp32 GEMM, in column panels (PANEL_MIN):
+    (fp32 result (rows, N), the widened rows, the panels)."""
+    panels = _panels(weight, may_cache)
+    count, k, width = panels.shape
+    rows = x2.shape[0]
+    total = -(-rows // ROW_TILE) * ROW_TILE
+    xp = _operand_rows(x2, total, torch.float32)
+    out = xp.new_empty(total, count * width)
+    for start in range(0, total, PANEL_ROWS):
+        tile = xp[start : start + PANEL_ROWS]
+        n = tile.shape[0]
+        out[start : start + n].view(n, count, width).copy_(torch.bmm(tile.expand(count, n, k), panels).transpose(0, 1))
+    return out[:rows, : weight.shape[0]], xp[:rows], panels
 
 
 def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool) -> tuple[list[tuple[int, int]], int]:
@@ -299,6 +343,11 @@ def _linear_forward(
     fp32_route = _fp32_route(weight)
     if x.dtype != weight.dtype and not fp32_route:
         raise TypeError(f"invariant linear: input {x.dtype} and weight {weight.dtype} must be of one dtype")
+    if fp32_route and weight.numel() >= PANEL_MIN:
+        out, rows, panels = _panel_linear(x.reshape(-1, x.shape[-1]), weight, may_prepack)
+        if operands is not None:
+            operands.extend((rows, panels))
+        return out.to(torch.bfloat16).reshape(*x.shape[:-1], weight.shape[0])
     # The fp32 route multiplies the bf16 values widened exactly to fp32 (see bf16_gemm).
     gemm_weight = _widened(weight, may_prepack) if fp32_route else weight
     x2 = x.reshape(-1, x.shape[-1])
@@ -344,12 +393,14 @@ class _Linear(torch.autograd.Function):
         operands: list[torch.Tensor] = []
         out = _linear_forward(x, weight, operands=operands)
         ctx.save_for_backward(*operands)
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.out_features = x.shape, x.dtype, weight.dtype, weight.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x2, w = ctx.saved_tensors  # (rows, K) and (N, K), in the GEMM's dtype
+        x2, w = ctx.saved_tensors  # (rows, K) and (N, K) (or its column panels), in the GEMM's dtype
+        if w.dim() == 3:  # panels (C, K, P) back to the (N, K) weight: the plain GEMM's operand
+            w = w.transpose(1, 2).reshape(-1, w.shape[1])[: ctx.out_features]
         grad2 = grad.reshape(-1, w.shape[0]).to(w.dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
