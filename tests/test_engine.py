@@ -790,7 +790,7 @@ def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update(gemm
     elements) and the trainer's on fresh ones. Each behaviour logprob must still be the trainer's
     at its token's version, across an in-place weight update that repacks (or widens again) them."""
     from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
-    from rzero.ops import invariant
+    from rzero.ops import invariant, weight_copies
 
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: gemm.split("-")[0])
     if gemm == "fp32":
@@ -808,7 +808,7 @@ def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update(gemm
     arrivals = [(i, prompt, params, f"r{i}") for i, prompt in enumerate(prompts)]
     outputs, _ = run_to_completion(engine, arrivals, updates=[(5, v1.state_dict(), 1)])
     if gemm == "bf16" and invariant.prepack_proven(1024, config.vocab_size, torch.get_num_threads()):  # the LM head's shape
-        assert id(engine.model.lm_head.weight) in invariant._PREPACKED
+        assert id(engine.model.lm_head.weight) in weight_copies.PREPACKED
     ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
     assert all(len(set(o.versions)) == 2 for o in ordered[:2])  # both versions sampled in one request
     by_version = {v: teacher_forced(m, ordered, [params.transform] * len(ordered)) for v, m in ((0, v0), (1, v1))}

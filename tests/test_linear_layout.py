@@ -14,7 +14,7 @@ from test_ops import PROBE_SHAPES
 
 from rzero import ops
 from rzero.model.presets import PRESETS
-from rzero.ops import AttentionMeta, invariant
+from rzero.ops import AttentionMeta, invariant, weight_copies
 from rzero.ops.invariant import ROW_TILE, grouping_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -209,13 +209,13 @@ def test_prepacked_decode_linear_keeps_the_bits_and_follows_weight_loads(monkeyp
     try:
         proven = invariant.prepack_proven(K, N, threads)
         assert torch.equal(ops.INVARIANT.linear(x, weight), mm_tiles(weight))
-        assert (id(weight) in invariant._PREPACKED) == proven
+        assert (id(weight) in weight_copies.PREPACKED) == proven
         with torch.no_grad():
             weight.copy_(other)  # an engine weight update
         assert torch.equal(ops.INVARIANT.linear(x, weight), mm_tiles(other))
         trained = other.clone().requires_grad_()
         ops.INVARIANT.linear(x, trained).float().sum().backward()  # the trainer's path
-        assert id(trained) not in invariant._PREPACKED and trained.grad is not None
+        assert id(trained) not in weight_copies.PREPACKED and trained.grad is not None
 
         def off_by_one(a, packed):  # any other bits than the mm tiles'
             return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "") + 1
@@ -225,7 +225,7 @@ def test_prepacked_decode_linear_keeps_the_bits_and_follows_weight_loads(monkeyp
         assert not invariant.prepack_proven(K, N, threads)
         fresh = other.clone()
         assert torch.equal(ops.INVARIANT.linear(x, fresh), mm_tiles(other))
-        assert id(fresh) not in invariant._PREPACKED
+        assert id(fresh) not in weight_copies.PREPACKED
     finally:
         invariant.prepack_proven.cache_clear()
 

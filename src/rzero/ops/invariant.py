@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 
 import torch
 
+from rzero.ops import weight_copies
 from rzero.ops.invariant_attention import attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401
     ROW_TILE,
@@ -208,85 +208,15 @@ def prepack_proven(K: int, N: int, threads: int) -> bool:
     return torch.equal(torch.cat([_onednn_tile(t, packed) for t in x.split(ROW_TILE)]), reference)
 
 
-# id(weight) -> (weakref to it, its version and data pointer when packed, the packed copy). Kept
-# beside the weight, not on it: the packed copy is an opaque oneDNN tensor that cannot be copied.
-_PREPACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
-
-
-def _prepacked(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight's oneDNN-packed copy: built on first use, again whenever the weight changes (an
-    in-place load moves its version counter), dropped with the weight. None for a tensor that has
-    no version counter (made under inference mode)."""
-    try:
-        version = weight._version
-    except RuntimeError:
-        return None
-    key = id(weight)
-    entry = _PREPACKED.get(key)
-    if entry is None or entry[0]() is not weight or entry[1:3] != (version, weight.data_ptr()):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROW_TILE)
-        ref = weakref.ref(weight, lambda _, key=key: _PREPACKED.pop(key, None))
-        entry = _PREPACKED[key] = (ref, version, weight.data_ptr(), packed)
-    return entry[3]
-
-
 def _prepack_pays(wt: torch.Tensor) -> bool:
     """A large bf16 GEMM operand whose shape the probe proved for the prepacked linear."""
     return wt.dtype == torch.bfloat16 and wt.shape[0] >= PREPACK_MIN_K and prepack_proven(*wt.shape, torch.get_num_threads())
 
 
-# (what, id of the weight's storage owner, data pointer, shape, strides) -> (weakref to the owner,
-# its version when made, the fp32 copy). Keyed by the view, not the tensor object: the MoE experts'
-# weights are fresh views of one stacked tensor on every call.
-_WIDENED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-
-def _kept_beside(weight: torch.Tensor, may_cache: bool, what: str, make) -> torch.Tensor:
-    """make() (an fp32 copy of the bf16 weight), kept beside the weight when no gradient is wanted
-    (the engine): built on first use and again whenever the weight changes (its version counter
-    moves)."""
-    if not may_cache:
-        return make()
-    try:
-        version = weight._version
-    except RuntimeError:  # made under inference mode: no version counter to watch
-        return make()
-    owner = weight if weight._base is None else weight._base
-    key = (what, id(owner), weight.data_ptr(), tuple(weight.shape), weight.stride())
-    entry = _WIDENED.get(key)
-    if entry is None or entry[0]() is not owner or entry[1] != version:
-        ref = weakref.ref(owner, lambda _, key=key: _WIDENED.pop(key, None))
-        entry = _WIDENED[key] = (ref, version, make())
-    return entry[2]
-
-
-def _widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
-    """The bf16 weight as a contiguous (N, K) fp32 tensor, the layout of an fp32 model's weight (it
-    decides the fp32 GEMM's bits)."""
-    return _kept_beside(weight, may_cache, "rows", lambda: weight.to(torch.float32, memory_format=torch.contiguous_format))
-
-
-def _panels(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
-    """The (N, K) bf16 weight widened into (C, K, PANEL_COLUMNS) fp32 column panels of its (K, N)
-    transpose, the last one zero-padded."""
-    def make() -> torch.Tensor:
-        n, k = weight.shape
-        full, rest = divmod(n, PANEL_COLUMNS)
-        panels = torch.zeros(full + (rest > 0), k, PANEL_COLUMNS, dtype=torch.float32, device=weight.device)
-        by_row = panels.permute(1, 0, 2)  # (K, C, PANEL_COLUMNS) view
-        wt = weight.t()
-        by_row[:, :full].copy_(wt[:, : full * PANEL_COLUMNS].view(k, full, PANEL_COLUMNS))
-        if rest:
-            by_row[:, full, :rest].copy_(wt[:, full * PANEL_COLUMNS :])
-        return panels
-
-    return _kept_beside(weight, may_cache, "panels", make)
-
-
 def _panel_linear(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2 (rows, K) bf16 times a large bf16 weight on the fp32 GEMM, in column panels (PANEL_MIN):
     (fp32 result (rows, N), the widened rows, the panels)."""
-    panels = _panels(weight, may_cache)
+    panels = weight_copies.panels(weight, may_cache, PANEL_COLUMNS)
     count, k, width = panels.shape
     rows = x2.shape[0]
     total = -(-rows // ROW_TILE) * ROW_TILE
@@ -349,7 +279,7 @@ def _linear_forward(
             operands.extend((rows, panels))
         return out.to(torch.bfloat16).reshape(*x.shape[:-1], weight.shape[0])
     # The fp32 route multiplies the bf16 values widened exactly to fp32 (see bf16_gemm).
-    gemm_weight = _widened(weight, may_prepack) if fp32_route else weight
+    gemm_weight = weight_copies.widened(weight, may_prepack) if fp32_route else weight
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     total = -(-rows // ROW_TILE) * ROW_TILE
@@ -371,7 +301,7 @@ def _linear_forward(
             tile = _operand_rows(tile, size, wt.dtype)
         _big_tile_mm(tile, wt, out[s : s + size])
     if start < total:
-        packed = _prepacked(weight) if start == 0 and prepack else None
+        packed = weight_copies.prepacked(weight, ROW_TILE) if start == 0 and prepack else None
         if packed is not None:  # decode batches on large bf16 weights (see PREPACK_MIN_K)
             out = torch.cat([_onednn_tile(t, packed) for t in xp.split(ROW_TILE)])
         else:
