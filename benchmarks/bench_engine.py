@@ -26,7 +26,7 @@ Timing covers prefill and decode (whole generation), not model loading or KV-cac
 3072, 16 query / 8 KV heads of 128, vocab 151936, tied embeddings) with random weights in a
 temporary directory: no download. The report then adds the FLOP/s each contender achieved
 (matmul and attention FLOPs of the tokens it processed, prompt included) and this CPU's bf16
-matmul peak measured in the same process (best of a few 2048 x 1024 x 4096 `torch.mm`).
+and fp32 matmul peaks measured in the same process (best of a few 2048 x 1024 x 4096 `torch.mm`).
 
 transformers: AutoModelForCausalLM.from_pretrained(dir, dtype=...), one left-padded batch,
 model.generate(use_cache=True), its default attention (SDPA). It has no invariant numerics, so
@@ -121,10 +121,11 @@ def flops(config: Qwen3Config, prompt_lens: list[int], gen_lens: list[int]) -> f
     return total
 
 
-def bf16_peak(now, reps: int = 5) -> float:
-    """GFLOP/s of the best of `reps` bf16 (2048 x 1024) @ (1024 x 4096) torch.mm on this process's
-    threads, timed with the run's clock (CPU time of all threads with --clock cpu)."""
-    a, b = torch.randn(2048, 1024).bfloat16(), torch.randn(1024, 4096).bfloat16()
+def matmul_peak(now, dtype: torch.dtype, reps: int = 5) -> float:
+    """GFLOP/s of the best of `reps` (2048 x 1024) @ (1024 x 4096) torch.mm in `dtype` on this
+    process's threads, timed with the run's clock (CPU time of all threads with --clock cpu). Both
+    are printed: on CPUs without AMX rzero's invariant bf16 linears run the fp32 GEMM."""
+    a, b = torch.randn(2048, 1024).to(dtype), torch.randn(1024, 4096).to(dtype)
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b), now) for _ in range(reps))
     return 2 * 2048 * 1024 * 4096 / best / 1e9
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"\n== cProfile: rzero {mode} {dtype} (sorted by tottime) ==")
                     profile_once(runners[f"rzero {mode}"], 30)
             del model, runners
-    peak = bf16_peak(now)
+    peaks = {name: matmul_peak(now, dt) for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
 
     print(f"\ncommand: {command}")
     if args.workload == "uniform":
@@ -296,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {args.reps} interleaved reps after {args.warmup} warm-up; "
         f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
-    print(f"bf16 matmul peak of this process ({torch.get_num_threads()} threads, {args.clock} clock): {peak:.0f} GFLOP/s")
+    print(f"matmul peak of this process ({torch.get_num_threads()} threads, {args.clock} clock): "
+          + ", ".join(f"{name} {value:.0f} GFLOP/s" for name, value in peaks.items()))
     print(f"{'dtype':<5}  {'numerics':<9}  {'rzero tok/s':>11}  {'HF tok/s':>9}  {'rzero/HF':>8}  "
           f"{'rzero GFLOP/s':>13}  {'HF GFLOP/s':>10}")
     for dtype, mode, ours, our_flops, hf, hf_flops in rows:
