@@ -258,10 +258,11 @@ def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypat
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("K,N", [(1024, 1100), (3072, 1024)])
+@pytest.mark.parametrize("K,N", [(1024, 1100), (3072, 1024), (4096, 300)])
 def test_large_bf16_weights_on_the_fp32_gemm_run_in_column_panels_with_one_thread_bits(K, N, monkeypatch):
     """From PANEL_MIN elements on, the fp32 route multiplies 512-column panels of the widened weight
-    by one bmm (N = 1100: a zero-padded last panel). Every row gets the bits of a one-thread fp32
+    by one bmm (N = 1100: a zero-padded last panel; N = 300: one panel, with a zero one beside it
+    so that the batched GEMM still runs it on one thread). Every row gets the bits of a one-thread fp32
     GEMM of a 16-row tile on the whole row-major weight, whatever the row count (tiles of up to
     PANEL_ROWS), the thread count, the packing and whether a gradient is wanted; an in-place load is
     followed; the gradients are the plain GEMMs' on the widened values."""

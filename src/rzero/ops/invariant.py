@@ -73,8 +73,8 @@ PREPACK_MIN_K = 1024
 # presets') are multiplied in column panels of PANEL_COLUMNS by one bmm over the panels. A batched
 # GEMM runs each panel on one thread, so a row gets the bits of a one-thread (rows, K) x (K, 512)
 # GEMM whatever the thread count, and up to PANEL_ROWS rows per call give every row the bits of a
-# 16-row tile (probed: tests/test_linear_layout.py, over row counts, threads and panel widths). At
-# the 0.6B shape's decode (64 rows, 2 threads) this took 0.3-0.5x the oneDNN-prepacked bf16 GEMM's
+# 16-row tile (probed: tests/test_linear_layout.py, over row counts and thread counts). At the
+# 0.6B shape's decode (64 rows, 2 threads) this took 0.4-0.6x the oneDNN-prepacked bf16 GEMM's
 # time (docs/benchmarks.md, seventh session), where the fp32 (N, K) route's 16-row tiles were slower
 # than bf16: on two threads it proves no tile below 256 rows.
 PANEL_MIN = 1 << 20

@@ -67,11 +67,12 @@ def widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
 
 def panels(weight: torch.Tensor, may_cache: bool, width: int) -> torch.Tensor:
     """The (N, K) bf16 weight widened into (C, K, width) fp32 column panels of its (K, N)
-    transpose, the last one zero-padded."""
+    transpose, the last one zero-padded; at least two (a zero panel beside a single one), because a
+    batched GEMM of one problem splits it across threads, which changes its bits."""
     def make() -> torch.Tensor:
         n, k = weight.shape
         full, rest = divmod(n, width)
-        out = torch.zeros(full + (rest > 0), k, width, dtype=torch.float32, device=weight.device)
+        out = torch.zeros(max(2, full + (rest > 0)), k, width, dtype=torch.float32, device=weight.device)
         by_row = out.permute(1, 0, 2)  # (K, C, width) view
         wt = weight.t()
         by_row[:, :full].copy_(wt[:, : full * width].view(k, full, width))
