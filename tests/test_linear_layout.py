@@ -230,6 +230,24 @@ def test_prepacked_decode_linear_keeps_the_bits_and_follows_weight_loads(monkeyp
         invariant.prepack_proven.cache_clear()
 
 
+def assert_bits_on_every_path(x, weight, expected, row_counts, threads):
+    """The bf16 linear of x's first m rows is expected[:m] on 1, 2 and `threads` threads, for the
+    weight, a packed view of it and a weight that wants a gradient; then after an in-place load of
+    the packed view (its cached fp32 copy must follow it). Leaves one thread set."""
+    fused, (view,) = ops.packed([weight.clone()])
+    for t in sorted({1, 2, threads}):
+        torch.set_num_threads(t)
+        for m in row_counts:
+            assert torch.equal(ops.INVARIANT.linear(x[:m], weight), expected[:m]), (m, t)
+            assert torch.equal(ops.INVARIANT.linear(x[:m], view), expected[:m]), (m, t)
+            w = weight.clone().requires_grad_()
+            assert torch.equal(ops.INVARIANT.linear(x[:m], w), expected[:m]), (m, t)
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        view.copy_(-weight)
+    assert torch.equal(ops.INVARIANT.linear(x, view), -expected)
+
+
 @pytest.mark.parametrize("K,N", [(128, 512), (1024, 3072)])
 def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypatch):
     """`bf16_gemm() == "fp32"` (CPUs without AMX): a bf16 linear is the fp32 invariant linear of the
@@ -242,18 +260,7 @@ def test_bf16_linear_on_the_fp32_gemm_is_the_widened_fp32_linear(K, N, monkeypat
     try:
         torch.set_num_threads(1)
         expected = ops.INVARIANT.linear(x.float(), weight.float()).bfloat16()
-        fused, (view,) = ops.packed([weight.clone()])
-        for t in sorted({1, 2, threads}):
-            torch.set_num_threads(t)
-            for m in (1, 5, 16, 48, 160):
-                assert torch.equal(ops.INVARIANT.linear(x[:m], weight), expected[:m]), (m, t)
-                assert torch.equal(ops.INVARIANT.linear(x[:m], view), expected[:m]), (m, t)
-                w = weight.clone().requires_grad_()
-                assert torch.equal(ops.INVARIANT.linear(x[:m], w), expected[:m]), (m, t)
-        torch.set_num_threads(1)
-        with torch.no_grad():
-            view.copy_(-weight)  # an in-place load: the cached fp32 copy must follow it
-        assert torch.equal(ops.INVARIANT.linear(x, view), -expected)
+        assert_bits_on_every_path(x, weight, expected, (1, 5, 16, 48, 160), threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -274,18 +281,7 @@ def test_large_bf16_weights_on_the_fp32_gemm_run_in_column_panels_with_one_threa
         torch.set_num_threads(1)
         whole = weight.float().t().contiguous()
         expected = torch.cat([torch.mm(tile, whole) for tile in x.float().split(ROW_TILE)]).bfloat16()
-        fused, (view,) = ops.packed([weight.clone()])
-        for t in sorted({1, 2, threads}):
-            torch.set_num_threads(t)
-            for m in (1, 5, 16, 48, 128, 160, 300):
-                assert torch.equal(ops.INVARIANT.linear(x[:m], weight), expected[:m]), (m, t)
-                assert torch.equal(ops.INVARIANT.linear(x[:m], view), expected[:m]), (m, t)
-                w = weight.clone().requires_grad_()
-                assert torch.equal(ops.INVARIANT.linear(x[:m], w), expected[:m]), (m, t)
-        torch.set_num_threads(1)
-        with torch.no_grad():
-            view.copy_(-weight)  # an in-place load: the cached panels must follow it
-        assert torch.equal(ops.INVARIANT.linear(x, view), -expected)
+        assert_bits_on_every_path(x, weight, expected, (1, 5, 16, 48, 128, 160, 300), threads)
         leaf, w = (x[:40] / 64).requires_grad_(), (weight / 64).requires_grad_()
         upstream = torch.randn(40, N, generator=torch.Generator().manual_seed(1)).bfloat16()
         ops.INVARIANT.linear(leaf, w).backward(upstream)
