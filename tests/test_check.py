@@ -152,8 +152,8 @@ def test_one_ulp_in_the_trainers_scoring_fails_the_checklist(tiny_dense_dir, mon
 
     real = Trainer.token_logprobs
 
-    def one_ulp_off(model, rollouts):
-        out = real(model, rollouts)
+    def one_ulp_off(model, rollouts, share_prompts=True):
+        out = real(model, rollouts, share_prompts)
         if torch.is_grad_enabled() and out:  # the training forward; the no-grad pass is untouched
             lp = out[0]
             out[0] = torch.cat([torch.nextafter(lp[:1], torch.tensor(float("inf"))), lp[1:]])

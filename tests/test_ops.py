@@ -552,6 +552,27 @@ def test_attention_meta_for_sequences_layout():
     assert meta.padded_tokens == 8
 
 
+def test_attention_meta_for_shared_prompts_layout():
+    """A prompt of ATTN_BLOCK + 2 tokens with completions of 3, 0 and 2 tokens: the prompt and the
+    first completion are one sequence; the empty completion adds none; the third shares the whole
+    prompt block and gets a copy of the partial one."""
+    P = ATTN_BLOCK + 2
+    meta = AttentionMeta.for_shared_prompts([(P, [3, 0, 2]), (1, [1])], row_tile=1)
+    assert meta.q_lens == [P + 3, 2, 2] and meta.ctx_lens == [0, P, 0]
+    assert meta.block_tables.tolist() == [[0, 1], [0, 2], [3, 0]]
+    assert meta.positions.tolist() == list(range(P + 3)) + [P, P + 1] + [0, 1]
+    assert meta.copy_slots.tolist() == [2 * ATTN_BLOCK, 2 * ATTN_BLOCK + 1]
+    assert meta.copy_rows.tolist() == [ATTN_BLOCK, ATTN_BLOCK + 1]  # the prompt's last two tokens
+    assert meta.slot_mapping[P + 3 :].tolist() == [2 * ATTN_BLOCK + 2, 2 * ATTN_BLOCK + 3, 3 * ATTN_BLOCK, 3 * ATTN_BLOCK + 1]
+    # One sample per prompt: exactly the whole-sequence layout, no copies.
+    alone = AttentionMeta.for_shared_prompts([(3, [2]), (5, [ATTN_BLOCK])], row_tile=1)
+    whole, _ = AttentionMeta.for_sequences([5, 5 + ATTN_BLOCK], row_tile=1)
+    assert alone.copy_slots is None and alone.block_tables.tolist() == whole.block_tables.tolist()
+    assert torch.equal(alone.slot_mapping, whole.slot_mapping)
+    with pytest.raises(ValueError, match="at least one token"):
+        AttentionMeta.for_shared_prompts([(0, [3])], row_tile=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. MoE routing and combine
 # ---------------------------------------------------------------------------------------------

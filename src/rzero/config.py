@@ -153,6 +153,7 @@ class TrainSection(Section):
     warmup_steps: int = Field(10, ge=0)
     schedule: Literal["constant", "cosine"] = "cosine"
     micro_batch_tokens: int = Field(4096, ge=1)
+    share_prompts: bool = True  # a group's prompt runs once in the trainer's forward, not once per sample
     gradient_checkpointing: bool = False  # recompute each layer in backward: less memory, more time
     advantage_std_norm: bool = False
     leave_one_out: bool = False

@@ -184,6 +184,9 @@ class Attention(nn.Module):
             shape = (meta.num_blocks * ATTN_BLOCK, self.num_kv_heads, self.head_dim)
             k_cache = k.new_zeros(shape).index_copy(0, meta.slot_mapping, k[:real])
             v_cache = v.new_zeros(shape).index_copy(0, meta.slot_mapping, v[:real])
+            if meta.copy_slots is not None:  # a shared prompt's partial block, once per completion
+                k_cache = k_cache.index_copy(0, meta.copy_slots, k[meta.copy_rows])
+                v_cache = v_cache.index_copy(0, meta.copy_slots, v[meta.copy_rows])
             k_cache = k_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
             v_cache = v_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
         else:

@@ -36,6 +36,10 @@ class AttentionMeta:
     kv_lens: torch.Tensor  # (B,) keys visible to the sequence: ctx_len + q_len
     out_index: torch.Tensor  # (padded_tokens,) row of each token in the (B * Mq) attention output
     num_blocks: int  # cache blocks referenced (the trainer allocates this many)
+    # Trainer caches built from a shared prompt (`for_shared_prompts`): more cache slots that hold a
+    # copy of some token's K/V (slot copy_slots[i] gets row copy_rows[i]). None: none.
+    copy_slots: torch.Tensor | None = None
+    copy_rows: torch.Tensor | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -113,3 +117,44 @@ class AttentionMeta:
             tables.append(list(range(next_block, next_block + count)))
             next_block += count
         return cls.build(list(lengths), [0] * len(lengths), tables, row_tile=row_tile), next_block
+
+    @classmethod
+    def for_shared_prompts(cls, groups: list[tuple[int, list[int]]], *, row_tile: int) -> AttentionMeta:
+        """Whole sequences that share prompts (the trainer scoring a GRPO group): each group is
+        (prompt length P, completion lengths), and its tokens come in flat order as the prompt once,
+        then every completion. The prompt runs once; each completion is a sequence of its own
+        whose first P keys are the prompt's, as in the engine's prefix cache: full prompt blocks
+        are shared, and the partial last one is copied into each completion's first private block
+        (`copy_slots`). Every query sees the same keys at the same positions as when its sequence
+        runs whole, so invariant numerics give the same bits, for about 1/n of the prompt's work.
+        A completion of length 0 adds no sequence."""
+        q_lens, ctx_lens, tables, copy_slots, copy_rows = [], [], [], [], []
+        next_block = next_row = 0
+        for prompt_len, completions in groups:
+            if prompt_len <= 0 or not completions:
+                raise ValueError("a shared prompt needs at least one token and one completion")
+            shared = prompt_len // ATTN_BLOCK  # whole prompt blocks, shared by every completion
+            partial = range(next_row + shared * ATTN_BLOCK, next_row + prompt_len)  # rows of the rest
+            first = None
+            for i, n in enumerate(completions):
+                if i > 0 and n == 0:
+                    continue
+                own = _round_up(prompt_len + n, ATTN_BLOCK) // ATTN_BLOCK - (shared if first else 0)
+                table = (first[:shared] if first else []) + list(range(next_block, next_block + own))
+                if first is None:  # the prompt's own sequence: prompt + first completion
+                    first = table
+                    q_lens.append(prompt_len + n)
+                    ctx_lens.append(0)
+                else:
+                    q_lens.append(n)
+                    ctx_lens.append(prompt_len)
+                    copy_slots.extend(next_block * ATTN_BLOCK + j for j in range(len(partial)))
+                    copy_rows.extend(partial)
+                tables.append(table)
+                next_block += own
+            next_row += prompt_len + sum(completions)
+        meta = cls.build(q_lens, ctx_lens, tables, row_tile=row_tile)
+        if copy_slots:
+            meta.copy_slots = torch.tensor(copy_slots, dtype=torch.long)
+            meta.copy_rows = torch.tensor(copy_rows, dtype=torch.long)
+        return meta

@@ -43,7 +43,7 @@ def backend_for(device: torch.device | str) -> str:
 
 def _score(trainer, micro_batch: list[Rollout], loss_fn: LossFn) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A micro-batch's token logprobs (autograd on) and its share of the loss."""
-    lps = trainer.token_logprobs(trainer.compute, micro_batch)
+    lps = trainer.token_logprobs(trainer.compute, micro_batch, trainer.settings.share_prompts)
     return lps, loss_fn(micro_batch, lps)
 
 

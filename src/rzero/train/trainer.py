@@ -40,6 +40,7 @@ class TrainerSettings:
     schedule: str = "constant"
     steps: int = 1  # the schedule's length
     micro_batch_tokens: int = 4096
+    share_prompts: bool = True  # a group's prompt runs once per micro-batch (`token_logprobs`)
     gradient_checkpointing: bool = False  # recompute each layer in backward instead of storing it
     leave_one_out: bool = False
     advantage_std_norm: bool = False
@@ -141,23 +142,41 @@ class Trainer:
     # ----------------------------------------------------------------- scoring
 
     @staticmethod
-    def token_logprobs(model: Qwen3ForCausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
+    def token_logprobs(model: Qwen3ForCausalLM, rollouts: list[Rollout], share_prompts: bool = True) -> list[torch.Tensor]:
         """log π(a_t) of every sampled completion token under `model`, one tensor per rollout
         (environment tokens are in the context but not scored), under each rollout's sampling
-        transform. All rollouts are packed into one forward pass; grad mode is the caller's."""
-        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
-        meta, _ = AttentionMeta.for_sequences([len(s) for s in seqs], row_tile=model.numerics.row_tile)
-        hidden = model(torch.tensor([t for s in seqs for t in s], dtype=torch.long), meta)
-        positions = [r.policy_positions() for r in rollouts]
-        rows, targets, offset = [], [], 0
-        for r, s, pos in zip(rollouts, seqs, positions):
-            start = offset + len(r.prompt_ids) - 1
-            rows.extend(start + i for i in pos)
-            targets.extend(r.completion_ids[i] for i in pos)
-            offset += len(s)
+        transform. All rollouts are packed into one forward pass; grad mode is the caller's.
+        `share_prompts`: consecutive rollouts with the same prompt (a GRPO group) run that prompt
+        once (`AttentionMeta.for_shared_prompts`); under invariant numerics the logprobs have the
+        same bits either way, and the gradients differ only in rounding."""
+        groups: list[list[Rollout]] = []
+        for r in rollouts:
+            if share_prompts and groups and groups[-1][0].prompt_ids == r.prompt_ids:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+        positions = {id(r): r.policy_positions() for r in rollouts}
+        tokens: list[int] = []
+        rows: list[int] = []  # the row whose hidden state predicts each scored token
+        targets: list[int] = []
+        for group in groups:
+            prompt = group[0].prompt_ids
+            if not prompt:
+                raise ValueError("a rollout to score has an empty prompt: its first token has no context")
+            tokens.extend(prompt)
+            prompt_last = len(tokens) - 1  # predicts every completion's first token
+            for r in group:
+                first = len(tokens)  # row of r's first completion token
+                tokens.extend(r.completion_ids)
+                rows.extend(prompt_last if i == 0 else first + i - 1 for i in positions[id(r)])
+                targets.extend(r.completion_ids[i] for i in positions[id(r)])
+        meta = AttentionMeta.for_shared_prompts(
+            [(len(g[0].prompt_ids), [len(r.completion_ids) for r in g]) for g in groups], row_tile=model.numerics.row_tile
+        )
+        hidden = model(torch.tensor(tokens, dtype=torch.long), meta)
         logits = model.logits(hidden[rows])
         target = torch.tensor(targets, dtype=torch.long, device=logits.device)
-        sizes = [len(pos) for pos in positions]
+        sizes = [len(positions[id(r)]) for r in rollouts]
         transforms = {r.transform for r in rollouts}
         if len(transforms) == 1:  # the usual case: one transform, no row gathers or scatters
             picked = model.numerics.transformed_logprobs(logits, transforms.pop()).gather(1, target[:, None])[:, 0]
@@ -175,13 +194,16 @@ class Trainer:
         return list(out.split(sizes))
 
     def micro_batches(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
-        """Consecutive rollouts, at most micro_batch_tokens tokens per batch (at least one rollout)."""
+        """Consecutive rollouts, at most micro_batch_tokens tokens per batch (at least one rollout);
+        a prompt shared with the rollout before it in the batch counts once (`share_prompts`)."""
         batches, current, tokens = [], [], 0
         for r in rollouts:
-            n = len(r.prompt_ids) + len(r.completion_ids)
+            shared = self.settings.share_prompts and current and current[-1].prompt_ids == r.prompt_ids
+            n = len(r.completion_ids) + (0 if shared else len(r.prompt_ids))
             if current and tokens + n > self.settings.micro_batch_tokens:
                 batches.append(current)
                 current, tokens = [], 0
+                n = len(r.prompt_ids) + len(r.completion_ids)
             current.append(r)
             tokens += n
         if current:
@@ -201,7 +223,7 @@ class Trainer:
             return self.reducer.forward_backward(self, micro_batches, loss_fn)
         loss_total, logprobs = 0.0, []
         for mb in micro_batches:
-            lps = self.token_logprobs(self.compute, mb)
+            lps = self.token_logprobs(self.compute, mb, self.settings.share_prompts)
             loss = loss_fn(mb, lps)
             if not torch.isfinite(loss):
                 return loss_total, logprobs, False
@@ -324,7 +346,7 @@ class Trainer:
                 if v not in self.ring:
                     raise RuntimeError(f"weights of version {v} left the ring buffer (lag beyond max_lag?)")
                 chosen = [i for i in unscored if v in per_rollout[i]]
-                scored = self.token_logprobs(self._scratch_model(v), [rollouts[i] for i in chosen])
+                scored = self.token_logprobs(self._scratch_model(v), [rollouts[i] for i in chosen], self.settings.share_prompts)
                 for i, lp in zip(chosen, scored):
                     sl = slice(offsets[i], offsets[i + 1])
                     mask = versions[sl] == v
