@@ -40,6 +40,9 @@ def warm_start(model: Qwen3ForCausalLM, tokenizer, env, config: RunConfig, log=p
         weight_decay=0.01,  # AdamW's default, which warm starts have always used
         grad_clip=1.0,
         micro_batch_tokens=config.train.micro_batch_tokens,
+        # Reference answers of distinct tasks: a prompt rarely repeats next to itself, so sharing
+        # saves nothing here; off, a base model keeps the bits it had before sharing existed.
+        share_prompts=False,
         decompose=False,
     )
     trainer = Trainer(
