@@ -38,6 +38,9 @@ from rzero.ops.attention_meta import AttentionMeta
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread")
+# With OpenMP the kernels run on the threads of the libgomp.so.1 torch has loaded (csrc/kernels.c,
+# run_parallel); without it (no -fopenmp in this compiler), on threads of their own.
+OPENMP_FLAGS = (*FLAGS, "-fopenmp")
 _NOT_IN_USE: list[str] = []  # why library() returned None
 
 
@@ -118,6 +121,10 @@ def library() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         _NOT_IN_USE.append(f"built on Linux only (this is {sys.platform})")
         return None
+    try:
+        return load(OPENMP_FLAGS)
+    except (OSError, RuntimeError):
+        pass
     try:
         return load()
     except (OSError, RuntimeError) as error:

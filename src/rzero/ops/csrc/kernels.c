@@ -241,6 +241,33 @@ static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b,
 }
 #endif
 
+/* Runs fn on each of `count` jobs (an array of job_size-byte structs), one thread each; returns 2
+   if a thread could not be started. Built with OpenMP, the threads are those of the OpenMP runtime
+   torch has already loaded (the same libgomp.so.1, so the same pool): right after a torch op its
+   workers are still spinning, and threads of our own would have to share the cores with them
+   (measured: decode attention 2x slower on 2 threads than on 1; docs/benchmarks.md, ninth
+   session). Which thread runs which job cannot change the bits: jobs never share an output. */
+static int run_parallel(void *(*fn)(void *), void *jobs, size_t job_size, int count) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(count) schedule(static, 1)
+    for (int i = 0; i < count; i++) fn((char *)jobs + (size_t)i * job_size);
+    return 0;
+#else
+    pthread_t ids[64];
+    int started = 0, status = 0;
+    for (int i = 1; i < count; i++) {
+        if (pthread_create(&ids[i], NULL, fn, (char *)jobs + (size_t)i * job_size) != 0) {
+            status = 2;
+            break;
+        }
+        started = i;
+    }
+    if (status == 0) fn(jobs);
+    for (int i = 1; i <= started; i++) pthread_join(ids[i], NULL);
+    return status;
+#endif
+}
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     int q_bf16, kv_bf16;
@@ -339,23 +366,13 @@ int rz_attention(const void *q, int q_bf16, const void *k_cache, const void *v_c
     if (threads < 1) threads = 1;
     if (threads > items) threads = items > 0 ? (int)items : 1;
     Job jobs[64];
-    pthread_t ids[64];
     if (threads > 64) threads = 64;
     for (int i = 0; i < threads; i++) {
         jobs[i] = (Job){q, k_cache, v_cache, q_bf16, kv_bf16, block_tables, token_seq, token_pos,
                         table_stride, H, Hkv, D, block, scale, out,
                         items * i / threads, items * (i + 1) / threads, 0};
     }
-    int started = 0, status = 0;
-    for (int i = 1; i < threads; i++) {
-        if (pthread_create(&ids[i], NULL, run_job, &jobs[i]) != 0) {
-            status = 2;
-            break;
-        }
-        started = i;
-    }
-    if (status == 0) run_job(&jobs[0]);
-    for (int i = 1; i <= started; i++) pthread_join(ids[i], NULL);
+    int status = run_parallel(run_job, jobs, sizeof(Job), threads);
     for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
     return status;
 }
@@ -495,22 +512,12 @@ int rz_attention_backward(const void *q, int q_bf16, const void *k_cache, const 
     if (threads > units) threads = units > 0 ? (int)units : 1;
     if (threads > 64) threads = 64;
     BackwardJob jobs[64];
-    pthread_t ids[64];
     for (int i = 0; i < threads; i++) {
         jobs[i] = (BackwardJob){q, k_cache, v_cache, q_bf16, kv_bf16, block_tables, token_seq, token_pos, seq_starts,
                                 grad, table_stride, H, Hkv, D, block, scale, dq, dk, dv,
                                 units * i / threads, units * (i + 1) / threads, 0};
     }
-    int started = 0, status = 0;
-    for (int i = 1; i < threads; i++) {
-        if (pthread_create(&ids[i], NULL, run_backward, &jobs[i]) != 0) {
-            status = 2;
-            break;
-        }
-        started = i;
-    }
-    if (status == 0) run_backward(&jobs[0]);
-    for (int i = 1; i <= started; i++) pthread_join(ids[i], NULL);
+    int status = run_parallel(run_backward, jobs, sizeof(BackwardJob), threads);
     for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
     return status;
 }
