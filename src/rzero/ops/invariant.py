@@ -62,6 +62,9 @@ TILE_LOOP_MIN = 1 << 17
 BMM_CHUNK = 32
 # Row tiles for many rows, each kept only where a probe proves it gives ROW_TILE's bits (big_tiles).
 BIG_TILES = (1024, 512, 256, 128, 64)  # largest first
+# A tile padded with zero rows is worth one GEMM call saved while its padding costs at most this
+# many multiply-adds (~2 MFLOP: about a call's fixed cost at this CPU's GEMM rate).
+PAD_ELEMENTS = 1 << 20
 # Decode batches on bf16 weights with K >= PREPACK_MIN_K (a 0.6B model's, not the tiny presets'):
 # each 16-row tile's mm repacks the whole weight for AMX, while oneDNN's prepacked linear packs it
 # once per weight version and runs the same (16, K) x (K, N) problem about 2x faster. It is used
@@ -246,19 +249,23 @@ def _panel_linear(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> tu
     return result[:rows, : weight.shape[0]], xp[:rows], panels
 
 
-def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool) -> tuple[list[tuple[int, int]], int]:
+def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool, row_elements: int) -> tuple[list[tuple[int, int]], int]:
     """How `total` rows (a multiple of ROW_TILE) are cut: big proven tiles (start, size), largest
     first, and the row from which the rest goes in ROW_TILE tiles. Leftover rows (more than one
-    ROW_TILE) go in one proven tile padded with zero rows where that at most doubles their rows:
-    one GEMM call instead of several, whose fixed cost (~20 us per bf16 oneDNN call here)
-    dominates small shapes; such a last tile ends past `total`. `keep_whole`: an input that would
-    be one padded tile stays whole (the prepacked decode path takes it)."""
+    ROW_TILE) go in one proven tile padded with zero rows where the padding costs less than a GEMM
+    call's fixed cost (~20 us per bf16 oneDNN call here), which dominates small shapes: at most
+    PAD_ELEMENTS multiply-adds (`row_elements` = K * N per row) and at most as many rows as it
+    fills. Such a last tile ends past `total`. (Padding 560 training rows to 1024 made the tiny
+    model's forward GEMMs 1.8x the work: docs/benchmarks.md, ninth session.) `keep_whole`: an input
+    that would be one padded tile stays whole (the prepacked decode path takes it)."""
     tiles, start = [], 0
+    most_padding = max(ROW_TILE, PAD_ELEMENTS // max(row_elements, 1))
     for size in proven:
         end = start + (total - start) // size * size
         tiles.extend((s, size) for s in range(start, end, size))
         start, left = end, total - end
-        if ROW_TILE < left <= size <= 2 * left and left not in proven and not (start == 0 and keep_whole):
+        padding = size - left
+        if ROW_TILE < left and 0 < padding <= min(left, most_padding) and left not in proven and not (start == 0 and keep_whole):
             tiles.append((start, size))
             return tiles, start + size
     return tiles, start
@@ -303,7 +310,7 @@ def _linear_forward(
     wt = gemm_operand(gemm_weight)
     prepack = may_prepack and _prepack_pays(wt)
     proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
-    tiles, start = _tile_plan(total, proven, keep_whole=prepack)
+    tiles, start = _tile_plan(total, proven, keep_whole=prepack, row_elements=wt.shape[0] * wt.shape[1])
     length = max(total, start)
     if x2.dtype == wt.dtype and x2.is_contiguous() and rows == total:
         xp = x2  # used in place; a padded last tile gets its own copy below
