@@ -526,8 +526,7 @@ def test_n_samples_share_prompt_blocks(model_dir):
     engine.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
     ids = engine.add_request(prompt, params, request_id="g")
     assert ids == ["g/0", "g/1", "g/2", "g/3"]
-    engine.step()  # the leader computes the prompt; the others wait for its blocks
-    engine.step()  # the others join, reusing the two full prompt blocks
+    engine.step()  # the leader computes the prompt; the others join this same step on its full blocks
     tables = [engine.sequences[i].block_table for i in ids]
     shared = tables[0][:2]
     assert all(t[:2] == shared for t in tables)
@@ -537,8 +536,10 @@ def test_n_samples_share_prompt_blocks(model_dir):
     run_to_completion(engine)
     outputs = [engine.pop_output(i) for i in ids]
     assert_all_free(engine)
-    # prompt tokens computed: 40 by the leader, 8 by each follower (not 4 * 40)
-    assert computed[:2] == [len(prompt), 3 * 8 + 1]
+    # prompt tokens computed in the first step: 40 by the leader, 8 by each follower (not 4 * 40)
+    assert computed[:2] == [len(prompt) + 3 * 8, 4]
+    # the followers read blocks the leader wrote in the same forward pass: the trainer's bits
+    assert [o.logprobs for o in outputs] == teacher_forced(engine.model, outputs, [params.transform] * 4)
     assert len(outputs) == 4 and len({tuple(o.token_ids) for o in outputs}) > 1
     cached = 2 * ATTN_BLOCK
     leader, followers = outputs[0], outputs[1:]
@@ -546,6 +547,20 @@ def test_n_samples_share_prompt_blocks(model_dir):
     for out in followers:
         assert out.prompt_logprobs[:cached] == [None] * cached
         assert out.prompt_logprobs[cached:] == leader.prompt_logprobs[cached:]
+
+
+@pytest.mark.parametrize("budget", [24, 33, 40])
+def test_group_samples_wait_for_prompt_blocks_computed_in_chunks(model_dir, budget):
+    """Under a small token budget the leader's prompt takes several steps (chunked prefill); its
+    samples join only once the step computing their shared blocks runs, and keep the trainer's bits."""
+    prompt = random_prompt(random.Random(8), 2 * ATTN_BLOCK + 8)
+    params = SamplingParams(temperature=1.0, max_tokens=5, n=3, seed=5)
+    engine = make_engine(model_dir, max_num_batched_tokens=budget)
+    ids = engine.add_request(prompt, params)
+    run_to_completion(engine)
+    outputs = [engine.pop_output(i) for i in ids]
+    assert_all_free(engine)
+    assert [o.logprobs for o in outputs] == teacher_forced(engine.model, outputs, [params.transform] * 3)
 
 
 # ---------------------------------------------------------------------------------------------
