@@ -526,41 +526,45 @@ def test_n_samples_share_prompt_blocks(model_dir):
     engine.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
     ids = engine.add_request(prompt, params, request_id="g")
     assert ids == ["g/0", "g/1", "g/2", "g/3"]
-    engine.step()  # the leader computes the prompt; the others join this same step on its full blocks
+    engine.step()  # the leader computes the prompt; the others fork from it in the same step
     tables = [engine.sequences[i].block_table for i in ids]
     shared = tables[0][:2]
     assert all(t[:2] == shared for t in tables)
     assert len({t[2] for t in tables}) == 4  # the partial block is private
     assert [engine.blocks.ref_count[b] for b in shared] == [4, 4]
     assert engine.blocks.num_blocks - engine.blocks.num_free == 2 + 4  # not 4 * 3
+    assert all(len(engine.sequences[i].token_ids) == len(prompt) + 1 for i in ids)  # all sampled a first token
     run_to_completion(engine)
     outputs = [engine.pop_output(i) for i in ids]
     assert_all_free(engine)
-    # prompt tokens computed in the first step: 40 by the leader, 8 by each follower (not 4 * 40)
-    assert computed[:2] == [len(prompt) + 3 * 8, 4]
-    # the followers read blocks the leader wrote in the same forward pass: the trainer's bits
+    # the prompt ran once (40 tokens), then 4 decode tokens per step
+    assert computed[:2] == [len(prompt), 4]
+    # the followers start from the leader's K/V (the partial block copied): the trainer's bits
     assert [o.logprobs for o in outputs] == teacher_forced(engine.model, outputs, [params.transform] * 4)
     assert len(outputs) == 4 and len({tuple(o.token_ids) for o in outputs}) > 1
-    cached = 2 * ATTN_BLOCK
-    leader, followers = outputs[0], outputs[1:]
-    assert None not in leader.prompt_logprobs
-    for out in followers:
-        assert out.prompt_logprobs[:cached] == [None] * cached
-        assert out.prompt_logprobs[cached:] == leader.prompt_logprobs[cached:]
+    assert all(out.prompt_logprobs == outputs[0].prompt_logprobs for out in outputs)
+    assert None not in outputs[0].prompt_logprobs
 
 
-@pytest.mark.parametrize("budget", [24, 33, 40])
-def test_group_samples_wait_for_prompt_blocks_computed_in_chunks(model_dir, budget):
-    """Under a small token budget the leader's prompt takes several steps (chunked prefill); its
-    samples join only once the step computing their shared blocks runs, and keep the trainer's bits."""
-    prompt = random_prompt(random.Random(8), 2 * ATTN_BLOCK + 8)
-    params = SamplingParams(temperature=1.0, max_tokens=5, n=3, seed=5)
-    engine = make_engine(model_dir, max_num_batched_tokens=budget)
+@pytest.mark.parametrize(
+    "prompt_len, budget, max_seqs, blocks",
+    [(40, 24, 8, 64), (40, 33, 8, 64), (40, 40, 8, 64), (5, 2048, 8, 64), (2 * ATTN_BLOCK, 2048, 8, 64),
+     (40, 2048, 2, 64), (17, 16, 3, 64), (40, 2048, 8, 5)],
+)
+def test_group_samples_fork_from_the_leaders_prompt(model_dir, prompt_len, budget, max_seqs, blocks):
+    """A group's samples fork from the leader once its prompt is computed, also when that took
+    several steps (chunked prefill), when the prompt ends on a block edge or is shorter than a block,
+    and when max_num_seqs or the cache (5 blocks) leaves room for only some of them (the rest start
+    later from the cached prefix); every sample keeps the trainer's bits."""
+    prompt = random_prompt(random.Random(prompt_len), prompt_len)
+    params = SamplingParams(temperature=1.0, max_tokens=5, n=4, seed=5)
+    engine = make_engine(model_dir, max_num_batched_tokens=budget, max_num_seqs=max_seqs, num_kv_blocks=blocks)
     ids = engine.add_request(prompt, params)
-    run_to_completion(engine)
+    run_to_completion(engine, check_blocks=True)
     outputs = [engine.pop_output(i) for i in ids]
     assert_all_free(engine)
-    assert [o.logprobs for o in outputs] == teacher_forced(engine.model, outputs, [params.transform] * 3)
+    assert all(len(o.token_ids) == 5 for o in outputs)
+    assert [o.logprobs for o in outputs] == teacher_forced(engine.model, outputs, [params.transform] * 4)
 
 
 # ---------------------------------------------------------------------------------------------

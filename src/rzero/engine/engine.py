@@ -3,7 +3,8 @@
 Each `step()` runs one forward pass over a flat batch that mixes decode tokens of running requests
 with prompt chunks of new ones (chunked prefill, under a token budget; scheduler.py chooses), then
 samples one token for every sequence whose tokens are all in the cache (sampler.py). Requests join
-and leave at any step. K/V live in a paged cache with a fixed number of blocks; when it is full the
+and leave at any step. A request's n samples run its prompt once: the others fork from the first
+when its prompt is computed (Scheduler.fork) and draw their first tokens from its logits. K/V live in a paged cache with a fixed number of blocks; when it is full the
 newest running sequence is preempted and later recomputed, which under invariant numerics gives
 back the same bits.
 
@@ -127,9 +128,12 @@ class Engine:
             for i, rid in enumerate(ids):
                 seed = params.seed if params.seed is not None else self.seed * 1_000_003 + number
                 seq = Sequence(rid, tokens, params, sampler.sample_generator(seed, i))
-                # Group members wait until the first has computed the prompt, then reuse its blocks.
+                # Group members wait until the first has computed the prompt, then fork from it.
                 seq.wait_for = first
-                first = first or seq
+                if first is None:
+                    first = seq
+                else:
+                    first.followers.append(seq)
                 self.sequences[rid] = seq
                 self.scheduler.add(seq)
         return ids
@@ -242,10 +246,36 @@ class Engine:
                 self.scheduler.computed(seq, n)
             if prompt_rows:
                 sampler.score_prompt(self.numerics, prompt_positions, self.model.logits(hidden[prompt_rows]))
+            for row, seq in zip(list(logit_rows), list(samplers)):
+                if seq.followers and len(seq) == seq.num_prompt_tokens:  # a group's prompt, just computed
+                    for follower in self._fork(seq):
+                        logit_rows.append(row)
+                        samplers.append(follower)
             if not samplers:
                 return []
             logits = self.model.logits(hidden[logit_rows])
             return [self._append(*sampled) for sampled in sampler.sample(self.numerics, samplers, logits)]
+
+    def _fork(self, leader: Sequence) -> list[Sequence]:
+        """The leader's samples that start now from its computed prompt (Scheduler.fork), with the
+        K/V rows of its partial last prompt block copied into each one's private block."""
+        forked = self.scheduler.fork(leader)
+        leader.followers = []
+        rest = leader.num_prompt_tokens % ATTN_BLOCK
+        copies = [private for _, private in forked if private is not None]
+        if copies:
+            rows = torch.arange(rest)
+            source = (leader.block_table[leader.num_prompt_tokens // ATTN_BLOCK] * ATTN_BLOCK + rows).repeat(len(copies))
+            dest = (torch.tensor(copies)[:, None] * ATTN_BLOCK + rows).reshape(-1)
+            source, dest = source.to(self.device), dest.to(self.device)
+            for cache in self.kv_caches:
+                for part in cache:
+                    flat = part.view(-1, *part.shape[2:])
+                    flat.index_copy_(0, dest, flat.index_select(0, source))
+        for seq, _ in forked:
+            if seq.prompt_logprobs is not None and leader.prompt_logprobs is not None:
+                seq.prompt_logprobs = list(leader.prompt_logprobs)
+        return [seq for seq, _ in forked]
 
     def _append(
         self, seq: Sequence, token: int, logprob: float, top_logprobs: list[tuple[int, float]] | None

@@ -55,20 +55,12 @@ class Scheduler:
                 batch.append((seq, n))
                 budget -= n
         skipped = []
-        # Tokens of each sequence in this step whose K/V the step's attention will see: a layer
-        # writes the whole batch's K/V into the cache before any query reads it.
-        cached_by_step = {id(s): s.num_computed + n for s, n in batch}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             leader = seq.wait_for
-            if leader is not None and leader.status != Status.FINISHED and not seq.block_table:
-                if len(seq) == seq.num_prompt_tokens:  # a fresh sample: share the leader's prompt blocks
-                    if not self._share_prompt_blocks(seq, leader, cached_by_step.get(id(leader), leader.num_computed)):
-                        skipped.append(seq)
-                        continue
-                elif leader.num_computed < leader.num_prompt_tokens:
-                    skipped.append(seq)
-                    continue
+            if leader is not None and leader.status != Status.FINISHED and leader.num_computed < leader.num_prompt_tokens:
+                skipped.append(seq)
+                continue
             if not seq.block_table:
                 # Reuse cached full blocks, always leaving the last token to compute (it gives the logits).
                 for block in self.blocks.match_prefix(seq.token_ids, len(seq) - 1):
@@ -84,27 +76,39 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append((seq, n))
-            cached_by_step[id(seq)] = seq.num_computed + n
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return batch
 
-    def _share_prompt_blocks(self, seq: Sequence, leader: Sequence, leader_cached: int) -> bool:
-        """Give a group's fresh sample the full blocks of its prompt from the group's leader, once
-        the leader has their K/V or computes them in this step (then the sample joins the same
-        step instead of waiting for the next). The last prompt token is always left to compute (it
-        gives the logits). False: the leader's blocks are not there yet; the sample waits."""
-        shared = (seq.num_prompt_tokens - 1) // ATTN_BLOCK
-        if leader_cached < shared * ATTN_BLOCK or len(leader.block_table) < shared:
-            return False
-        previous = None
-        for i, block in enumerate(leader.block_table[:shared]):
-            previous = block_hash(previous, seq.token_ids[i * ATTN_BLOCK : (i + 1) * ATTN_BLOCK])
-            self.blocks.retain(block)
-            seq.block_table.append(block)
-            seq.block_hashes.append(previous)
-        seq.num_computed = shared * ATTN_BLOCK
-        return True
+    def fork(self, leader: Sequence) -> list[tuple[Sequence, int | None]]:
+        """Start the leader's waiting samples from its prompt, which has just been computed: each
+        shares the prompt's full blocks and gets a private block for the partial last one, whose
+        rows the engine copies from the leader's (the private block, or None when the prompt ends
+        on a block edge). They sample their first token from the leader's logits: with the same
+        tokens at the same positions, invariant numerics give them the same bits, so their prompt
+        runs once per group. Samples the cache or max_num_seqs has no room for stay waiting and
+        start later from the cached prefix."""
+        prompt = leader.num_prompt_tokens
+        shared, rest = divmod(prompt, ATTN_BLOCK)
+        forked = []
+        for seq in leader.followers:
+            if seq.status != Status.WAITING or seq.block_table or len(seq) != prompt:
+                continue  # aborted, or already started on its own
+            if len(self.running) >= self.max_num_seqs or (rest and self.blocks.num_free == 0):
+                break
+            for block in leader.block_table[:shared]:
+                self.blocks.retain(block)
+            seq.block_table = leader.block_table[:shared]
+            seq.block_hashes = leader.block_hashes[:shared]
+            private = self.blocks.allocate() if rest else None
+            if private is not None:
+                seq.block_table.append(private)
+            seq.num_computed = prompt
+            seq.status = Status.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            forked.append((seq, private))
+        return forked
 
     def computed(self, seq: Sequence, n: int) -> None:
         """n more of seq's tokens are in the cache: register its newly full blocks for reuse."""

@@ -108,6 +108,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix hashes of the computed full blocks
         self.prompt_logprobs: list[float | None] | None = [None] * (len(prompt) - 1) if params.prompt_logprobs else None
         self.wait_for: Sequence | None = None  # group leader whose prompt blocks this sample reuses
+        self.followers: list[Sequence] = []  # a leader's other samples, forked from its prompt (Scheduler.fork)
 
     @property
     def output_ids(self) -> list[int]:
