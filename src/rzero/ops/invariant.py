@@ -271,6 +271,13 @@ def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool, row_elemen
     return tiles, start
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan(total: int, proven: tuple[int, ...], keep_whole: bool, row_elements: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """`_tile_plan`, computed once per row count and weight shape (every decode step asks again)."""
+    tiles, start = _tile_plan(total, proven, keep_whole, row_elements)
+    return tuple(tiles), start
+
+
 def _operand_rows(x2: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """x2's rows in `dtype`, zero rows appended up to `length`: one copy (none if x2 already is that)."""
     rows = x2.shape[0]
@@ -310,9 +317,16 @@ def _linear_forward(
     wt = gemm_operand(gemm_weight)
     prepack = may_prepack and _prepack_pays(wt)
     proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
-    tiles, start = _tile_plan(total, proven, keep_whole=prepack, row_elements=wt.shape[0] * wt.shape[1])
+    tiles, start = _plan(total, proven, prepack, wt.shape[0] * wt.shape[1])
     length = max(total, start)
-    if x2.dtype == wt.dtype and x2.is_contiguous() and rows == total:
+    in_place = x2.dtype == wt.dtype and x2.is_contiguous() and rows == total
+    if in_place and len(tiles) == 1 and start == total:  # one proven tile of exactly these rows (decode)
+        out = x2.new_empty(total, wt.shape[1])
+        _big_tile_mm(x2, wt, out)
+        if operands is not None:
+            operands.extend((x2, gemm_weight))
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if in_place:
         xp = x2  # used in place; a padded last tile gets its own copy below
     else:
         xp = _operand_rows(x2, length, wt.dtype)  # widened and padded in the one copy needed anyway
