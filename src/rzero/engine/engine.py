@@ -272,9 +272,6 @@ class Engine:
                 for part in cache:
                     flat = part.view(-1, *part.shape[2:])
                     flat.index_copy_(0, dest, flat.index_select(0, source))
-        for seq, _ in forked:
-            if seq.prompt_logprobs is not None and leader.prompt_logprobs is not None:
-                seq.prompt_logprobs = list(leader.prompt_logprobs)
         return [seq for seq, _ in forked]
 
     def _append(

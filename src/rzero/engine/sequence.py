@@ -77,6 +77,7 @@ class RequestOutput:
     finish_reason: str | None
     text: str | None = None
     # prompt_logprobs[i] is the logprob of prompt token i + 1; None where it came from the prefix cache
+    # (for samples 1..n-1 of a request, forked from sample 0, the whole prompt: see its output)
     prompt_logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, with top_logprobs > 0
 
