@@ -249,7 +249,8 @@ def _panel_linear(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> tu
     return result[:rows, : weight.shape[0]], xp[:rows], panels
 
 
-def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool, row_elements: int) -> tuple[list[tuple[int, int]], int]:
+@functools.lru_cache(maxsize=4096)  # every decode step asks again for the same row count and weight
+def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool, row_elements: int) -> tuple[tuple[tuple[int, int], ...], int]:
     """How `total` rows (a multiple of ROW_TILE) are cut: big proven tiles (start, size), largest
     first, and the row from which the rest goes in ROW_TILE tiles. Leftover rows (more than one
     ROW_TILE) go in one proven tile padded with zero rows where the padding costs less than a GEMM
@@ -267,14 +268,7 @@ def _tile_plan(total: int, proven: tuple[int, ...], keep_whole: bool, row_elemen
         padding = size - left
         if ROW_TILE < left and 0 < padding <= min(left, most_padding) and left not in proven and not (start == 0 and keep_whole):
             tiles.append((start, size))
-            return tiles, start + size
-    return tiles, start
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan(total: int, proven: tuple[int, ...], keep_whole: bool, row_elements: int) -> tuple[tuple[tuple[int, int], ...], int]:
-    """`_tile_plan`, computed once per row count and weight shape (every decode step asks again)."""
-    tiles, start = _tile_plan(total, proven, keep_whole, row_elements)
+            return tuple(tiles), start + size
     return tuple(tiles), start
 
 
@@ -317,16 +311,9 @@ def _linear_forward(
     wt = gemm_operand(gemm_weight)
     prepack = may_prepack and _prepack_pays(wt)
     proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
-    tiles, start = _plan(total, proven, prepack, wt.shape[0] * wt.shape[1])
+    tiles, start = _tile_plan(total, proven, prepack, wt.shape[0] * wt.shape[1])
     length = max(total, start)
-    in_place = x2.dtype == wt.dtype and x2.is_contiguous() and rows == total
-    if in_place and len(tiles) == 1 and start == total:  # one proven tile of exactly these rows (decode)
-        out = x2.new_empty(total, wt.shape[1])
-        _big_tile_mm(x2, wt, out)
-        if operands is not None:
-            operands.extend((x2, gemm_weight))
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    if in_place:
+    if x2.dtype == wt.dtype and x2.is_contiguous() and rows == total:
         xp = x2  # used in place; a padded last tile gets its own copy below
     else:
         xp = _operand_rows(x2, length, wt.dtype)  # widened and padded in the one copy needed anyway
