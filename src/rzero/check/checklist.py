@@ -118,7 +118,7 @@ def report(results: list[CheckResult], model_dir: str | Path, numerics: str, dty
         "dtype": dtype,
         "model": str(model_dir),
         "cpu_attention": kernel_status(),  # the C kernel, or the stock-op fallback and why
-        "cpu_bf16_gemm": bf16_gemm(),  # on the CPU a bf16 linear runs the bf16 GEMM, or the fp32 one (no AMX)
+        "cpu_bf16_gemm": bf16_gemm(),  # which GEMM a CPU bf16 linear runs (invariant.bf16_gemm)
         "passed": all(r.passed for r in results),
         "checks": [r.to_json() for r in results],
     }
@@ -145,7 +145,7 @@ def print_table(results: list[CheckResult], model_dir, numerics: str, dtype: str
         compared = r.compared + (f"\n[dim]{r.detail}[/dim]" if r.detail else "")
         table.add_row(r.id, r.name, compared, shown, verdict)
     console.print(table)
-    console.print(f"[dim]CPU attention: {kernel_status()}; CPU bf16 linears on the {bf16_gemm()} GEMM[/dim]")
+    console.print(f"[dim]CPU attention: {kernel_status()}; CPU bf16 linears: {bf16_gemm()} (RZERO_BF16_GEMM)[/dim]")
     passed = sum(r.passed for r in results)
     colour = "green" if passed == len(results) else "red"
     console.print(f"[{colour}]{passed}/{len(results)} checks passed[/{colour}] in {seconds:.1f} s")
