@@ -239,3 +239,42 @@ def test_an_unwritable_cache_directory_falls_back_to_the_temporary_one(tmp_path)
     blocker.write_text("")
     lib = cpu_kernel.load(PORTABLE, cache_dir=blocker / "kernels")  # mkdir under a file fails
     assert Path(lib._name).parent.parent == Path(tempfile.gettempdir())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (3, 1, 64), (2, 2, 24), (16, 8, 128)])
+def test_the_one_call_attention_step_has_the_bits_of_its_ops_one_by_one(dtype, heads, kv_heads, head_dim, tmp_path):
+    """rz_cached_attention (norms, rotary, cache writes, attention, output rounding in one call)
+    against the same ops run one by one, on views of one fused projection as the model passes
+    them, for a mixed batch of decodes and prefill chunks; native and portable builds. The caches
+    it writes must match too, slot for slot."""
+    q_full, k_cache, v_cache, meta = random_batch(head_dim + heads, heads, kv_heads, head_dim, dtype)
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    rows, width = meta.padded_tokens, (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(rows, width, generator=gen) * 2).to(dtype)
+    q, k, v = (part.view(rows, -1, head_dim) for part in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1))
+    q_weight, k_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype), (torch.rand(head_dim, generator=gen) + 0.5).to(dtype)
+    angles = torch.rand(rows, 1, head_dim, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    scale = head_dim**-0.5
+
+    by_ops = (k_cache.clone(), v_cache.clone())
+    qn, kn = INVARIANT.rms_norm(q, q_weight, 1e-6), INVARIANT.rms_norm(k, k_weight, 1e-6)
+    qn, kn = INVARIANT.apply_rotary(qn, cos, sin), INVARIANT.apply_rotary(kn, cos, sin)
+    by_ops[0].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kn[: meta.num_tokens])
+    by_ops[1].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[: meta.num_tokens])
+    expected = cpu_kernel.attention(qn, *by_ops, meta, scale)
+    assert expected.dtype == dtype and expected[: meta.num_tokens].abs().sum() > 0
+
+    for lib in (None, cpu_kernel.load(PORTABLE, cache_dir=tmp_path)):
+        caches = (k_cache.clone(), v_cache.clone())
+        got = cpu_kernel.cached_attention(q, k, v, q_weight, k_weight, 1e-6, cos, sin, *caches, meta, scale, lib=lib)
+        assert torch.equal(got, expected)
+        assert torch.equal(caches[0], by_ops[0]) and torch.equal(caches[1], by_ops[1])
+    # The Numerics op (what the model calls) gives the same.
+    caches = (k_cache.clone(), v_cache.clone())
+    assert torch.equal(INVARIANT.cached_attention(q, k, v, q_weight, k_weight, 1e-6, cos, sin, caches, meta, scale), expected)
+    # A wrong eps or table changes the bits (the comparison can fail).
+    caches = (k_cache.clone(), v_cache.clone())
+    assert not torch.equal(cpu_kernel.cached_attention(q, k, v, q_weight, k_weight, 1e-2, cos, sin, *caches, meta, scale), expected)

@@ -174,25 +174,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         rows = x.shape[0]
         q, k, v = project(x, self, [self.q_proj, self.k_proj, self.v_proj], nx)
-        q = self.q_norm(q.view(rows, self.num_heads, self.head_dim), nx)
-        k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim), nx)
+        q = q.view(rows, self.num_heads, self.head_dim)
+        k = k.view(rows, self.num_kv_heads, self.head_dim)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
+        if cache is not None:  # the engine: its paged cache, written in place
+            out = nx.cached_attention(
+                q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache, meta, self.scale
+            )
+            return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim), nx)
+        q, k = self.q_norm(q, nx), self.k_norm(k, nx)
         q, k = nx.apply_rotary(q, cos, sin), nx.apply_rotary(k, cos, sin)
+        # Whole sequences (the trainer): a private cache built out of place, so autograd flows.
         real = meta.num_tokens
-        if cache is None:
-            # Whole sequences (the trainer): a private cache built out of place, so autograd flows.
-            shape = (meta.num_blocks * ATTN_BLOCK, self.num_kv_heads, self.head_dim)
-            k_cache = k.new_zeros(shape).index_copy(0, meta.slot_mapping, k[:real])
-            v_cache = v.new_zeros(shape).index_copy(0, meta.slot_mapping, v[:real])
-            if meta.copy_slots is not None:  # a shared prompt's partial block, once per completion
-                k_cache = k_cache.index_copy(0, meta.copy_slots, k[meta.copy_rows])
-                v_cache = v_cache.index_copy(0, meta.copy_slots, v[meta.copy_rows])
-            k_cache = k_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
-            v_cache = v_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
-        else:
-            k_cache, v_cache = cache
-            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k[:real])
-            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v[:real])
+        shape = (meta.num_blocks * ATTN_BLOCK, self.num_kv_heads, self.head_dim)
+        k_cache = k.new_zeros(shape).index_copy(0, meta.slot_mapping, k[:real])
+        v_cache = v.new_zeros(shape).index_copy(0, meta.slot_mapping, v[:real])
+        if meta.copy_slots is not None:  # a shared prompt's partial block, once per completion
+            k_cache = k_cache.index_copy(0, meta.copy_slots, k[meta.copy_rows])
+            v_cache = v_cache.index_copy(0, meta.copy_slots, v[meta.copy_rows])
+        k_cache = k_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
+        v_cache = v_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
         out = nx.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim), nx)
 

@@ -109,6 +109,10 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     lib.rz_rms_norm_backward.restype = ctypes.c_int
     lib.rz_rotary.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
     lib.rz_rotary.restype = ctypes.c_int
+    lib.rz_cached_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_float, ptr, ptr,
+                                        ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                        ctypes.c_float, ptr, ctypes.c_int]
+    lib.rz_cached_attention.restype = ctypes.c_int
     return lib
 
 
@@ -184,6 +188,41 @@ def attention(
     )
     _check(status)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _heads_view(x: torch.Tensor) -> torch.Tensor:
+    """x (tokens, heads, D) with each row's heads contiguous (a view of the fused projection is),
+    else a contiguous copy."""
+    D = x.shape[-1]
+    return x if x.stride(-1) == 1 and x.stride(-2) == D else x.contiguous()
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta,
+    scale: float, lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """The engine's attention step in one call (csrc/kernels.c, rz_cached_attention): RMSNorm
+    (q_weight, k_weight) and rotary (cos, sin: (tokens, 1, D)) of q (tokens, H, D) and k (tokens,
+    Hkv, D), the keys and values written to the caches at meta.slot_mapping, then `attention`;
+    returns (padded tokens, H, D) in q's dtype. The bits of those ops run one by one. No autograd.
+    Every tensor in one dtype, fp32 or bf16 (the caller checks)."""
+    lib = lib or library()
+    tokens, heads, head_dim = q.shape
+    q, k, v = _heads_view(q), _heads_view(k), _heads_view(v)
+    cos, sin = cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous()
+    tables = meta.block_tables.contiguous()
+    seq, pos = _token_index(meta)
+    q_rot = torch.empty(meta.num_tokens, heads, head_dim, dtype=q.dtype)
+    out = torch.empty(meta.padded_tokens, heads, head_dim, dtype=q.dtype)
+    _check(lib.rz_cached_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), q.dtype == torch.bfloat16,
+        q_weight.contiguous().data_ptr(), k_weight.contiguous().data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_rot.data_ptr(), tables.data_ptr(),
+        tables.shape[1], seq.data_ptr(), pos.data_ptr(), meta.num_tokens, meta.padded_tokens, heads, k_cache.shape[2],
+        head_dim, k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads(),
+    ))
+    return out
 
 
 def attention_backward(

@@ -44,7 +44,7 @@ import threading
 import torch
 
 from rzero.ops import weight_copies
-from rzero.ops.invariant_attention import attention  # noqa: F401  (ops of this numerics)
+from rzero.ops.invariant_attention import attention, cached_attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401
     ROW_TILE,
     apply_rotary,

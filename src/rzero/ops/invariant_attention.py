@@ -269,6 +269,26 @@ def _attention_rows(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> t
     return _token_rows(out, plan, q)
 
 
+def cached_attention(
+    q, k, v, q_weight, k_weight, eps: float, cos, sin, cache, meta: AttentionMeta, scale: float
+) -> torch.Tensor | None:
+    """`Numerics.cached_attention` in one C call (cpu_kernel.cached_attention) where it applies:
+    the kernel is built, no gradient is wanted, and every tensor is of one dtype, fp32 or bf16.
+    None otherwise: the caller runs the ops one by one (the same bits)."""
+    k_cache, v_cache = cache
+    tensors = (q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache)
+    if (
+        cpu_kernel.library() is None
+        or q.dtype not in (torch.float32, torch.bfloat16)
+        or any(t.dtype != q.dtype for t in tensors)
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or q.shape[-1] % 2
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return None
+    return cpu_kernel.cached_attention(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, meta, scale)
+
+
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
 ) -> torch.Tensor:

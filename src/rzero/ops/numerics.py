@@ -143,6 +143,28 @@ class Numerics:
         return self._on(q).attention(q, k_cache, v_cache, meta, scale)
 
     @_op
+    def cached_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        eps: float, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMeta, scale: float,
+    ) -> torch.Tensor:
+        """An engine step's attention: RMSNorm (q_weight, k_weight) and rotary of the queries q
+        (T, H, D) and keys k (T, Hkv, D), the keys and values v written into the paged `cache` at
+        meta.slot_mapping, then `attention`. Invariant numerics on the CPU run it as one C call
+        with the bits of these ops one by one (fewer calls and tensors, rzero/ops/cpu_kernel.py)."""
+        fused = getattr(self._on(q), "cached_attention", None)
+        out = None if fused is None else fused(q, k, v, q_weight, k_weight, eps, cos, sin, cache, meta, scale)
+        if out is not None:
+            return out
+        q, k = self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
+        q, k = self.apply_rotary(q, cos, sin), self.apply_rotary(k, cos, sin)
+        k_cache, v_cache = cache
+        real = meta.num_tokens
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k[:real])
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v[:real])
+        return self.attention(q, k_cache, v_cache, meta, scale)
+
+    @_op
     def moe_route(self, router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert choice: returns (weights (T, k) fp32, expert ids (T, k))."""
         return self._on(router_logits).moe_route(router_logits, top_k, normalize)

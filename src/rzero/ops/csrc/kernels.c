@@ -79,6 +79,14 @@ static inline float bf16_value(uint16_t h) {
     return f;
 }
 
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's conversion does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 #if defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
 /* lane_tree with lanes 0-7 in lo and 8-15 in hi. */
@@ -274,7 +282,8 @@ typedef struct {
     const int64_t *block_tables, *token_seq, *token_pos;
     int64_t table_stride, H, Hkv, D, block;
     float scale;
-    float *out;
+    void *out; /* (tokens, H, D) fp32, or bf16 when out_bf16 (rounded as torch's .to(bfloat16)) */
+    int out_bf16;
     int64_t first, last; /* work items [first, last): item = token * Hkv + kv_head */
     int status;
 } Job;
@@ -343,8 +352,14 @@ static void *run_job(void *arg) {
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            float *restrict dst = job->out + (t * H + h * G + g) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] = acc[g * Dp + d] / sums[g];
+            const int64_t dst = (t * H + h * G + g) * D;
+            if (job->out_bf16) {
+                uint16_t *restrict o16 = (uint16_t *)job->out + dst;
+                for (int64_t d = 0; d < D; d++) o16[d] = float_to_bf16(acc[g * Dp + d] / sums[g]);
+            } else {
+                float *restrict o32 = (float *)job->out + dst;
+                for (int64_t d = 0; d < D; d++) o32[d] = acc[g * Dp + d] / sums[g];
+            }
         }
     }
 done:
@@ -357,11 +372,10 @@ done:
     return NULL;
 }
 
-/* Returns 0 on success, 1 if memory ran out, 2 if a thread could not be started. */
-int rz_attention(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int kv_bf16,
-                 const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
-                 const int64_t *token_pos, int64_t tokens, int64_t H, int64_t Hkv, int64_t D, int64_t block,
-                 float scale, float *out, int threads) {
+static int attention_jobs(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int kv_bf16,
+                          const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
+                          const int64_t *token_pos, int64_t tokens, int64_t H, int64_t Hkv, int64_t D, int64_t block,
+                          float scale, void *out, int out_bf16, int threads) {
     const int64_t items = tokens * Hkv;
     if (threads < 1) threads = 1;
     if (threads > items) threads = items > 0 ? (int)items : 1;
@@ -369,12 +383,21 @@ int rz_attention(const void *q, int q_bf16, const void *k_cache, const void *v_c
     if (threads > 64) threads = 64;
     for (int i = 0; i < threads; i++) {
         jobs[i] = (Job){q, k_cache, v_cache, q_bf16, kv_bf16, block_tables, token_seq, token_pos,
-                        table_stride, H, Hkv, D, block, scale, out,
+                        table_stride, H, Hkv, D, block, scale, out, out_bf16,
                         items * i / threads, items * (i + 1) / threads, 0};
     }
     int status = run_parallel(run_job, jobs, sizeof(Job), threads);
     for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
     return status;
+}
+
+/* Returns 0 on success, 1 if memory ran out, 2 if a thread could not be started. out: fp32. */
+int rz_attention(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int kv_bf16,
+                 const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
+                 const int64_t *token_pos, int64_t tokens, int64_t H, int64_t Hkv, int64_t D, int64_t block,
+                 float scale, float *out, int threads) {
+    return attention_jobs(q, q_bf16, k_cache, v_cache, kv_bf16, block_tables, table_stride, token_seq, token_pos,
+                          tokens, H, Hkv, D, block, scale, out, 0, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -529,12 +552,24 @@ int rz_attention_backward(const void *q, int q_bf16, const void *k_cache, const 
    (outer, inner) with their own strides, so a (tokens, heads, head_dim) view of a fused
    projection needs no copy. */
 
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+/* One row of N values at x + offset into out + dst (the input's dtype): w holds the weight in
+   fp32, row is a scratch of Np floats, zero past N (its padding adds exact zeros to the dot). */
+static inline void rms_norm_row(const void *x, int bf16, int64_t offset, int64_t N, int64_t Np, const float *w,
+                                float eps, float *restrict row, void *out, int64_t dst) {
+    load_row(x, bf16, offset, N, row);
+    const float r = 1.0f / sqrtf(dot(row, row, Np) / (float)N + eps);
+    if (bf16) {
+        uint16_t *restrict o16 = (uint16_t *)out + dst;
+        for (int64_t d = 0; d < N; d++) {
+            uint32_t bits = (uint32_t)float_to_bf16(row[d] * r) << 16;
+            float normed;
+            memcpy(&normed, &bits, sizeof normed);
+            o16[d] = float_to_bf16(w[d] * normed);
+        }
+    } else {
+        float *restrict o32 = (float *)out + dst;
+        for (int64_t d = 0; d < N; d++) o32[d] = w[d] * (row[d] * r);
+    }
 }
 
 int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t stride_outer, int64_t stride_inner,
@@ -542,33 +577,15 @@ int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t s
     const int64_t Np = (N + LANES - 1) / LANES * LANES;
     float *row = calloc((size_t)Np, sizeof(float));
     float *w = malloc(sizeof(float) * (size_t)N);
-    float *gw = calloc((size_t)Np, sizeof(float)); /* g * w, zero past N like row */
-    if (!row || !w || !gw) {
+    if (!row || !w) {
         free(row);
         free(w);
-        free(gw);
         return 1;
     }
     load_row(weight, bf16, 0, N, w);
-    for (int64_t o = 0; o < outer; o++) {
-        for (int64_t i = 0; i < inner; i++) {
-            load_row(x, bf16, o * stride_outer + i * stride_inner, N, row);
-            const float r = 1.0f / sqrtf(dot(row, row, Np) / (float)N + eps);
-            const int64_t dst = (o * inner + i) * N;
-            if (bf16) {
-                uint16_t *restrict o16 = (uint16_t *)out + dst;
-                for (int64_t d = 0; d < N; d++) {
-                    uint32_t bits = (uint32_t)float_to_bf16(row[d] * r) << 16;
-                    float normed;
-                    memcpy(&normed, &bits, sizeof normed);
-                    o16[d] = float_to_bf16(w[d] * normed);
-                }
-            } else {
-                float *restrict o32 = (float *)out + dst;
-                for (int64_t d = 0; d < N; d++) o32[d] = w[d] * (row[d] * r);
-            }
-        }
-    }
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t i = 0; i < inner; i++)
+            rms_norm_row(x, bf16, o * stride_outer + i * stride_inner, N, Np, w, eps, row, out, (o * inner + i) * N);
     free(row);
     free(w);
     return 0;
@@ -642,26 +659,76 @@ static inline void rotary_half_f32(const float *restrict x, const float *restric
     for (int64_t d = 0; d < n; d++) o[d] = x[d] * c[d] + (sign * partner[d]) * s[d];
 }
 
-int rz_rotary(const void *x, int bf16, const void *cos, const void *sin, int64_t T, int64_t H, int64_t D, void *out) {
+/* One row of D values: x + xo into out + oo, with the cos and sin rows at c + co. */
+static inline void rotary_row(const void *x, int bf16, int64_t xo, const void *cos, const void *sin, int64_t co,
+                              int64_t D, void *out, int64_t oo) {
     const int64_t half = D / 2;
-    for (int64_t t = 0; t < T; t++) {
+    /* rotate(x) is -x[d + half] in the first half and x[d - half] in the second; the sign flip is
+       exact (sign * v with sign = +-1 is v or -v), so it rounds as torch's neg. */
+    if (bf16) {
+        const uint16_t *xr = (const uint16_t *)x + xo, *c = (const uint16_t *)cos + co, *s = (const uint16_t *)sin + co;
+        uint16_t *o = (uint16_t *)out + oo;
+        rotary_half_bf16(xr, xr + half, -1.0f, c, s, half, o);
+        rotary_half_bf16(xr + half, xr, 1.0f, c + half, s + half, D - half, o + half);
+    } else {
+        const float *xr = (const float *)x + xo, *c = (const float *)cos + co, *s = (const float *)sin + co;
+        float *o = (float *)out + oo;
+        rotary_half_f32(xr, xr + half, -1.0f, c, s, half, o);
+        rotary_half_f32(xr + half, xr, 1.0f, c + half, s + half, D - half, o + half);
+    }
+}
+
+int rz_rotary(const void *x, int bf16, const void *cos, const void *sin, int64_t T, int64_t H, int64_t D, void *out) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) rotary_row(x, bf16, (t * H + h) * D, cos, sin, t * D, D, out, (t * H + h) * D);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The engine's attention step in one call: for each token, RMSNorm and rotary of its query and key
+   heads, its keys and values written to their cache slots, then the attention above, its output
+   in the tokens' dtype (padding rows 0). Each step is the arithmetic of the op it replaces
+   (rms_norm_row, rotary_row, a copy, the attention jobs, torch's rounding to bf16), in the same
+   order, so the bits are those of the separate ops (tests/test_cpu_kernel.py); only the calls and
+   the intermediate tensors are saved. q, k, v: rows of H, Hkv, Hkv heads of D values, `*_stride`
+   elements apart (views of the fused q/k/v projection); cos, sin: (tokens, D); q_rot: a
+   (tokens, H, D) scratch; out: (padded, H, D). */
+int rz_cached_attention(const void *q, const void *k, const void *v, int64_t q_stride, int64_t k_stride,
+                        int64_t v_stride, int bf16, const void *q_weight, const void *k_weight, float eps,
+                        const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
+                        void *q_rot, const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
+                        const int64_t *token_pos, int64_t tokens, int64_t padded, int64_t H, int64_t Hkv, int64_t D,
+                        int64_t block, float scale, void *out, int threads) {
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES, size = bf16 ? 2 : 4;
+    float *row = calloc((size_t)Dp, sizeof(float));
+    float *qw = malloc(sizeof(float) * (size_t)D), *kw = malloc(sizeof(float) * (size_t)D);
+    void *normed = malloc((size_t)(D * size));
+    if (!row || !qw || !kw || !normed) {
+        free(row);
+        free(qw);
+        free(kw);
+        free(normed);
+        return 1;
+    }
+    load_row(q_weight, bf16, 0, D, qw);
+    load_row(k_weight, bf16, 0, D, kw);
+    for (int64_t t = 0; t < tokens; t++) {
         for (int64_t h = 0; h < H; h++) {
-            const int64_t row = (t * H + h) * D;
-            /* rotate(x) is -x[d + half] in the first half and x[d - half] in the second; the sign
-               flip is exact (sign * v with sign = +-1 is v or -v), so it rounds as torch's neg. */
-            if (bf16) {
-                const uint16_t *xr = (const uint16_t *)x + row, *c = (const uint16_t *)cos + t * D,
-                               *s = (const uint16_t *)sin + t * D;
-                uint16_t *o = (uint16_t *)out + row;
-                rotary_half_bf16(xr, xr + half, -1.0f, c, s, half, o);
-                rotary_half_bf16(xr + half, xr, 1.0f, c + half, s + half, D - half, o + half);
-            } else {
-                const float *xr = (const float *)x + row, *c = (const float *)cos + t * D, *s = (const float *)sin + t * D;
-                float *o = (float *)out + row;
-                rotary_half_f32(xr, xr + half, -1.0f, c, s, half, o);
-                rotary_half_f32(xr + half, xr, 1.0f, c + half, s + half, D - half, o + half);
-            }
+            rms_norm_row(q, bf16, t * q_stride + h * D, D, Dp, qw, eps, row, normed, 0);
+            rotary_row(normed, bf16, 0, cos, sin, t * D, D, q_rot, (t * H + h) * D);
+        }
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t slot = (slots[t] * Hkv + h) * D;
+            rms_norm_row(k, bf16, t * k_stride + h * D, D, Dp, kw, eps, row, normed, 0);
+            rotary_row(normed, bf16, 0, cos, sin, t * D, D, k_cache, slot);
+            memcpy((char *)v_cache + slot * size, (const char *)v + (t * v_stride + h * D) * size, (size_t)(D * size));
         }
     }
-    return 0;
+    free(row);
+    free(qw);
+    free(kw);
+    free(normed);
+    memset((char *)out + tokens * H * D * size, 0, (size_t)((padded - tokens) * H * D * size));
+    return attention_jobs(q_rot, bf16, k_cache, v_cache, bf16, block_tables, table_stride, token_seq, token_pos, tokens,
+                          H, Hkv, D, block, scale, out, bf16, threads);
 }
