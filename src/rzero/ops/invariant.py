@@ -334,6 +334,10 @@ def _linear_forward(
         xp = x2  # used in place; a padded last tile gets its own copy below
     else:
         xp = _operand_rows(x2, length, wt.dtype)  # widened and padded in the one copy needed anyway
+    if tiles == ((0, total),) and xp.shape[0] == total and operands is None:
+        # One proven tile holds every row (a decode batch, a short prefill): one plain mm.
+        result = torch.mm(xp, wt)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+        return result.to(torch.bfloat16) if fp32_route else result
     out = xp.new_empty(length, wt.shape[1])
     # Bulk rows in the largest proven tiles (one mm each): every row gets a ROW_TILE tile's bits
     # whichever tile it lands in.
