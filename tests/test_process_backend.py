@@ -268,3 +268,38 @@ def test_async_run_takes_the_decomposition_from_the_workers_and_it_is_exact(tmp_
     assert seen and all(seen)
     assert all(m["mismatch/kernel_max_abs"] == 0.0 for m in rows)
     assert any(m["lag/max"] > 0 and m["mismatch/lag_max_abs"] > 0 for m in rows)  # the weights did lag
+
+
+def test_weight_slots_are_written_again_only_when_no_worker_can_read_them():
+    """The slot pool's rules (process_backend._WeightSlots): the newest version's slot, a slot a
+    worker thread is sending, and the slots of the versions a worker's scorer keeps (keep = 2
+    here: its loaded version and the one before) are never free; a worker that moved on, or was
+    started again, frees them; a worker life is sent a slot's buffers once."""
+    import torch
+
+    def weights(v):
+        return {"a": torch.full((3,), float(v)), "b": torch.full((2, 2), float(v))}
+
+    slots = process_backend._WeightSlots(keep_versions=2)
+    slots.slots = [process_backend.SharedWeights(weights(0)), process_backend.SharedWeights(weights(1))]
+    assert slots.free_slot(weights(2), newest=1) == 0
+    assert slots.free_slot(weights(2), newest=0) == 1
+    slots.taken[7] = 0  # a worker thread is sending slot 0
+    assert slots.free_slot(weights(2), newest=1) is None
+    del slots.taken[7]
+    slots.loaded(worker=0, version=4, slot=0)
+    slots.loaded(worker=0, version=5, slot=1)  # keeps versions 4 and 5: both slots
+    assert slots.free_slot(weights(6), newest=1) is None
+    slots.slots.append(process_backend.SharedWeights(weights(6)))
+    slots.loaded(worker=0, version=6, slot=2)  # version 4 is out of its scorer's reach now
+    assert slots.free_slot(weights(7), newest=2) == 0
+    assert slots.free_slot({"a": torch.zeros(4)}, newest=2) is None  # another layout never fits
+    slots.new_life(0)  # restarted: it keeps nothing
+    assert slots.free_slot(weights(7), newest=2) == 0 and slots.kept == {}
+    # A slot's buffers go to a worker life once; then the load is the slot number alone.
+    assert slots.message(1, 2)[1] is slots.slots[2] and slots.message(1, 2) == (2, None)
+    slots.new_life(1)
+    assert slots.message(1, 2)[1] is slots.slots[2]
+    # A write lands in the buffers the workers map.
+    slots.slots[0].copy_from(weights(9))
+    assert all(bool((t == 9).all()) for t in slots.slots[0].tensors().values())

@@ -7,8 +7,10 @@ training step 1.7x slower than the same step alone; a worker process leaves it u
 as for Ray actors; here a call is one message each way on a pipe to `_main`, which runs a
 `RolloutWorker`.
 
-Weights travel once per version: `publish` copies the state dict into one shared-memory buffer per
-dtype (`SharedWeights`) and every worker maps the same buffers when its load is due. A worker whose
+Weights travel once per version: `publish` copies the state dict into a slot of shared-memory
+buffers (`SharedWeights`, one buffer per dtype) and every worker reads that slot when its load is
+due. Slots are reused: each worker maps a slot's buffers once, and a later version in the same slot
+is one copy on the driver and a slot number in the message (`_WeightSlots`). A worker whose
 process dies (`kill -9`, out of memory) is started again; its groups are sampled again from
 scratch. A worker exits when the driver says so or when its end of the pipe closes (the driver
 died).
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +63,18 @@ class SharedWeights:
                 offset += tensor.numel()
             self.buffers.append((buffer, index))
 
+    def fits(self, weights: dict[str, torch.Tensor]) -> bool:
+        """Whether `weights` has exactly this state dict's names, shapes and dtypes."""
+        layout = {name: (shape, buffer.dtype) for buffer, index in self.buffers for name, shape, _ in index}
+        return layout == {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
+
+    def copy_from(self, weights: dict[str, torch.Tensor]) -> None:
+        """Overwrite the buffers with `weights` (of this layout: `fits`)."""
+        views = self.tensors()
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                views[name].copy_(tensor)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state dict again, as views of the shared buffers."""
         return {
@@ -67,6 +82,48 @@ class SharedWeights:
             for buffer, index in self.buffers
             for name, shape, offset in index
         }
+
+
+class _WeightSlots:
+    """The shared-memory slots published versions take turns in (driver side).
+
+    A fresh shared segment per version cost more than the copy into it: creating it, then handing
+    its file descriptor to each worker through the resource sharer, ~9 ms per version for the tiny
+    model on one thread, on the synchronous step's critical path (docs/benchmarks.md). A slot is
+    written again only when no worker can read it any more: it is not the newest version, no worker
+    thread has taken it to send, and no worker keeps it, that is, it holds none of the versions a
+    worker loaded that its scorer may still read (its loaded version and the keep - 1 before it).
+    Each worker life is sent a slot's buffers once; after that a load names the slot."""
+
+    def __init__(self, keep_versions: int):
+        self.keep = keep_versions
+        self.slots: list[SharedWeights] = []
+        self.taken: dict[int, int] = {}  # worker thread -> slot it is sending
+        self.kept: dict[int, list[tuple[int, int]]] = {}  # worker -> (version, slot) it may read
+        self.mapped: dict[int, set[int]] = {}  # worker -> slots its current life has the buffers of
+
+    def free_slot(self, weights: dict[str, torch.Tensor], newest: int | None) -> int | None:
+        """A slot `weights` may be written into now (None: none is free). `newest`: the slot of the
+        newest published version. Called under the backend's lock; the write itself need not be:
+        no worker takes a slot before it is published, and only the trainer's thread publishes."""
+        busy = {newest, *self.taken.values()} | {slot for kept in self.kept.values() for _, slot in kept}
+        return next((i for i, slot in enumerate(self.slots) if i not in busy and slot.fits(weights)), None)
+
+    def message(self, worker: int, slot: int) -> tuple[int, SharedWeights | None]:
+        """What a load of `slot` sends worker `worker`: the slot, and its buffers the first time."""
+        mapped = self.mapped.setdefault(worker, set())
+        first = slot not in mapped
+        mapped.add(slot)
+        return slot, (self.slots[slot] if first else None)
+
+    def loaded(self, worker: int, version: int, slot: int) -> None:
+        kept = [(v, s) for v, s in self.kept.get(worker, []) if v > version - self.keep]
+        self.kept[worker] = [*kept, (version, slot)]
+
+    def new_life(self, worker: int) -> None:
+        """Worker `worker` was started again: it keeps and has mapped nothing."""
+        self.kept.pop(worker, None)
+        self.mapped.pop(worker, None)
 
 
 def _main() -> None:
@@ -88,6 +145,7 @@ def _main() -> None:
         conn.send(("failed", traceback.format_exc()))
         return
     conn.send(("ready", None))
+    slots: dict[int, dict[str, torch.Tensor]] = {}  # the weight slots' buffers (see _WeightSlots)
     while True:
         try:
             message = conn.recv()
@@ -95,9 +153,11 @@ def _main() -> None:
             return
         if message is None:
             return
-        weights, version, starts, wait = message
+        load, version, starts, wait = message
         try:
-            reply = ("ok", worker.work(None if weights is None else weights.tensors(), version, starts, wait))
+            if load is not None and load[1] is not None:
+                slots[load[0]] = load[1].tensors()
+            reply = ("ok", worker.work(None if load is None else slots[load[0]], version, starts, wait))
         except BaseException:  # noqa: BLE001
             reply = ("error", traceback.format_exc())
         try:
@@ -131,9 +191,24 @@ class ProcessBackend(RemoteBackend):
         self.make_engine, self.make_env = make_engine, make_env
         self.threads, self.rollout_delay_s, self.score = threads, rollout_delay_s, score
         self.workers: list[tuple[subprocess.Popen, Any]] = []  # (process, driver's end of its pipe) per worker
+        self.slots = _WeightSlots(keep_versions=self.max_lag + 1)
 
     def _share(self, weights):
-        return SharedWeights(weights)
+        with self.cond:  # the worker threads take and release slots under this lock
+            free = self.slots.free_slot(weights, newest=self.weights)
+        if free is not None:
+            self.slots.slots[free].copy_from(weights)
+            return free
+        fresh = SharedWeights(weights)
+        with self.cond:
+            self.slots.slots.append(fresh)
+            return len(self.slots.slots) - 1
+
+    def _next_work(self, local_version):
+        weights, version, starts = super()._next_work(local_version)
+        if weights is not None:  # this worker thread sends that slot: it stays unwritten until the load ends
+            self.slots.taken[threading.get_ident()] = weights
+        return weights, version, starts
 
     def start(self, weights, version: int) -> None:
         # All processes start at once; each then imports and builds its engine in parallel.
@@ -163,14 +238,23 @@ class ProcessBackend(RemoteBackend):
     def _call(self, i, weights, version, starts, wait):
         process, conn = self.workers[i]
         try:
-            conn.send((weights, version, starts, wait))
+            with self.cond:
+                load = None if weights is None else self.slots.message(i, weights)
+            conn.send((load, version, starts, wait))
             kind, payload = conn.recv()
         except (EOFError, OSError) as err:
             code = _reap(process)
             conn.close()
+            with self.cond:
+                self.slots.taken.pop(threading.get_ident(), None)
+                self.slots.new_life(i)
             self.workers[i] = self._launch(i)  # a new life; it loads weights on its first call
             self._await_ready(i)
             raise WorkerLost(f"rollout worker process {i} (pid {process.pid}) died (exit code {code})") from err
+        with self.cond:
+            self.slots.taken.pop(threading.get_ident(), None)
+            if weights is not None and kind == "ok":
+                self.slots.loaded(i, version, weights)
         if kind != "ok":
             raise RuntimeError(f"rollout worker process {i} raised:\n{payload}")
         return payload

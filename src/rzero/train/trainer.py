@@ -122,7 +122,11 @@ class Trainer:
     # ----------------------------------------------------------------- weights
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights of the current version in the model dtype (what engines load)."""
+        """The weights of the current version in the model dtype (what engines load): copies that
+        nothing writes again, so the ring's copy of this version (decompose) serves as well."""
+        kept = self.ring.get(self.version)
+        if kept is not None:
+            return kept
         return {name: p.detach().clone() for name, p in self.compute.named_parameters()}
 
     def _sync_compute(self) -> None:
