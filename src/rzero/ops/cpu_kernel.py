@@ -143,16 +143,8 @@ def kernel_status() -> str:
 
 
 def _token_index(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, position) of each real query token, built once per meta (shared by the layers)."""
-    cached = meta.__dict__.get("_kernel_index")
-    if cached is None:
-        max_q = meta.q_index.shape[1]
-        tokens = meta.out_index[: meta.num_tokens]
-        cached = meta.__dict__["_kernel_index"] = (
-            (tokens // max_q).contiguous(),
-            meta.q_positions.reshape(-1)[tokens].contiguous(),
-        )
-    return cached
+    """(sequence, position) of each real query token."""
+    return meta.token_seq, meta.positions[: meta.num_tokens]
 
 
 def _check(status: int) -> None:
