@@ -778,6 +778,26 @@ def test_sample_tokens_depend_only_on_row_seed():
     assert int(INVARIANT.sample_tokens(target[None], [True], [None])[0]) == int(target.argmax())
 
 
+def test_a_uniform_stream_draws_its_generators_own_sequence():
+    """UniformStream's blocks (torch.rand(n)) give the values of n successive torch.rand(1) calls,
+    across block boundaries, so the engine's streams and replay's plain generators (one draw per
+    token) choose the same tokens."""
+    from rzero.ops.sampling import UniformStream
+
+    count = 3 * UniformStream.BLOCK + 5
+    one_by_one = torch.Generator().manual_seed(77)
+    expected = [torch.rand(1, generator=one_by_one).item() for _ in range(count)]
+    stream = UniformStream(torch.Generator().manual_seed(77))
+    assert [stream.next() for _ in range(count)] == expected
+    assert UniformStream(torch.Generator().manual_seed(78)).next() != expected[0]
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.log_softmax(randn(gen, 4, 50), -1)
+    plain = [torch.Generator().manual_seed(s) for s in range(4)]
+    streams = [UniformStream(torch.Generator().manual_seed(s)) for s in range(4)]
+    for _ in range(2 * UniformStream.BLOCK):
+        assert torch.equal(INVARIANT.sample_tokens(rows, [False] * 4, plain), INVARIANT.sample_tokens(rows, [False] * 4, streams))
+
+
 def test_first_max_is_argmax_with_ties_and_nan():
     """The sampler's max(dim).indices picks what torch.argmax picks: the first maximum, and a NaN
     as the maximum; on rows with many ties, large vocabularies and strided rows."""

@@ -28,7 +28,7 @@ def sample(numerics: Numerics, seqs: list[Sequence], logits: torch.Tensor) -> li
         # The usual case (one transform for the whole batch): no row gathers or scatters.
         (transform,) = groups
         lp = numerics.transformed_logprobs(logits, transform)
-        chosen = numerics.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.generator for s in seqs])
+        chosen = numerics.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.uniforms for s in seqs])
         return list(zip(seqs, chosen.tolist(), lp.gather(1, chosen[:, None])[:, 0].tolist(), top_logprobs(seqs, lp)))
     tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     logprobs = torch.empty(len(seqs), device=logits.device)
@@ -36,7 +36,7 @@ def sample(numerics: Numerics, seqs: list[Sequence], logits: torch.Tensor) -> li
     for transform, rows in groups.items():
         lp = numerics.transformed_logprobs(logits[rows], transform)
         greedy = [transform.temperature == 0] * len(rows)
-        chosen = numerics.sample_tokens(lp, greedy, [seqs[r].generator for r in rows])
+        chosen = numerics.sample_tokens(lp, greedy, [seqs[r].uniforms for r in rows])
         tokens[rows] = chosen
         logprobs[rows] = lp.gather(1, chosen[:, None])[:, 0]
         for r, alternatives in zip(rows, top_logprobs([seqs[r] for r in rows], lp)):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rzero.ops import SamplingTransform
+from rzero.ops.sampling import UniformStream
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt)
         self.params = params
         self.transform = params.transform
-        self.generator = generator
+        self.uniforms = UniformStream(generator)  # the sampler's draws (the generator's own sequence)
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are in the cache

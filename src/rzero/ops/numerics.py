@@ -182,9 +182,10 @@ class Numerics:
 
     @_op
     def sample_tokens(
-        self, logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]
+        self, logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | _sampling.UniformStream | None]
     ) -> torch.Tensor:
-        """One token per row (inverse CDF at a uniform from each row's own generator; argmax for greedy rows)."""
+        """One token per row (inverse CDF at a uniform from each row's own generator or stream of
+        its uniforms; argmax for greedy rows)."""
         return _sampling.sample_tokens(logprobs, greedy, generators)
 
 

@@ -85,7 +85,36 @@ def _row_chunks(x: torch.Tensor) -> list[torch.Tensor]:
     return list(x.split(max(1, per_chunk)))
 
 
-def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | None]) -> torch.Tensor:
+class UniformStream:
+    """The uniforms of one CPU torch.Generator, drawn BLOCK at a time: torch.rand(n) gives exactly
+    the values of n successive torch.rand(1) calls (tests/test_ops.py checks), so the stream yields
+    its generator's own sequence, at one op per BLOCK draws instead of one per draw (64 draws per
+    decode step cost ~100 us one by one). The generator itself runs ahead by up to a block: draw
+    from the stream only."""
+
+    BLOCK = 32
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self._drawn: list[float] = []
+        self._next = 0
+
+    def next(self) -> float:
+        if self._next == len(self._drawn):
+            self._drawn, self._next = torch.rand(self.BLOCK, generator=self.generator).tolist(), 0
+        self._next += 1
+        return self._drawn[self._next - 1]
+
+
+def _uniform(source: torch.Generator | UniformStream | None) -> float:
+    if isinstance(source, UniformStream):
+        return source.next()
+    return torch.rand(1, generator=source).item()
+
+
+def sample_tokens(
+    logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator | UniformStream | None]
+) -> torch.Tensor:
     """Draw one token per row by inverting the row's cumulative distribution at one uniform drawn
     from the row's own generator; greedy rows take their first maximum.
 
@@ -100,7 +129,7 @@ def sample_tokens(logprobs: torch.Tensor, greedy: list[bool], generators: list[t
     # One uniform per row, drawn on the CPU whatever the device (the per-request generators are
     # CPU generators). One draw per token rather than one per vocabulary entry (Gumbel-max): at a
     # 152k vocabulary the CPU generator took ~1.3 ms per row, more than a 0.6B model's decode step.
-    uniform = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled]).to(logprobs.device)
+    uniform = torch.tensor([_uniform(generators[row]) for row in sampled], dtype=torch.float32).to(logprobs.device)
     rows = logprobs if len(sampled) == len(greedy) else logprobs[sampled]
     chosen = _inverse_cdf(rows, uniform)
     if len(sampled) == len(greedy):
