@@ -278,3 +278,28 @@ def test_the_one_call_attention_step_has_the_bits_of_its_ops_one_by_one(dtype, h
     # A wrong eps or table changes the bits (the comparison can fail).
     caches = (k_cache.clone(), v_cache.clone())
     assert not torch.equal(cpu_kernel.cached_attention(q, k, v, q_weight, k_weight, 1e-2, cos, sin, *caches, meta, scale), expected)
+
+
+@needs_kernel
+def test_the_samplers_scan_and_search_in_c_pick_the_tokens_torch_picks(tmp_path):
+    """rz_inverse_cdf against torch's cumsum (a double accumulator on the CPU) and searchsorted, on
+    rows with truncated tokens (probability 0), a NaN, uniforms at 0 and near 1, and row counts
+    that do and do not fill its groups of four; native and portable builds."""
+    from rzero.ops.sampling import _search
+
+    gen = torch.Generator().manual_seed(3)
+    portable = cpu_kernel.load(PORTABLE, cache_dir=tmp_path)
+    for vocab in (1, 7, 1000, 1024, 151936):
+        for rows in (1, 3, 4, 9):
+            probs = torch.log_softmax(torch.randn(rows, vocab, generator=gen) * 4, -1).exp()
+            probs[0, : vocab // 2] = 0.0
+            if rows > 2:
+                probs[2, vocab // 3] = float("nan")
+            uniform = torch.rand(rows, generator=gen)
+            uniform[0] = 0.0
+            uniform[-1] = 1.0 - 2.0**-24
+            expected = _search(probs.clone().cumsum_(-1), uniform)
+            assert torch.equal(cpu_kernel.inverse_cdf(probs, uniform), expected), (vocab, rows)
+            assert torch.equal(cpu_kernel.inverse_cdf(probs, uniform, lib=portable), expected), (vocab, rows)
+    flat = torch.full((1, 8), 0.125)  # a uniform row: u = 0.5 lands exactly on a prefix, right of it
+    assert cpu_kernel.inverse_cdf(flat, torch.tensor([0.5])).item() == 4

@@ -113,6 +113,8 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
                                         ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ptr, ctypes.c_int]
     lib.rz_cached_attention.restype = ctypes.c_int
+    lib.rz_inverse_cdf.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+    lib.rz_inverse_cdf.restype = ctypes.c_int
     return lib
 
 
@@ -180,6 +182,18 @@ def attention(
     )
     _check(status)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """For each row of probs (rows, V) fp32: searchsorted(cumsum(row), uniform * total, right=True),
+    with the bits of those torch calls on the CPU, in one pass (csrc/kernels.c, rz_inverse_cdf)."""
+    lib = lib or library()
+    probs, uniform = probs.contiguous(), uniform.contiguous()
+    rows, vocab = probs.shape
+    out = torch.empty(rows, dtype=torch.long)
+    scratch = torch.empty(4 * vocab, dtype=torch.float32)
+    _check(lib.rz_inverse_cdf(probs.data_ptr(), rows, vocab, uniform.data_ptr(), scratch.data_ptr(), out.data_ptr()))
+    return out
 
 
 def _heads_view(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from rzero.ops import cpu_kernel
+
 
 @dataclass(frozen=True)
 class SamplingTransform:
@@ -158,7 +160,10 @@ def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         probs = torch.empty_like(rows)
         for chunk, out in zip(_row_chunks(rows), _row_chunks(probs)):
             torch.exp(chunk, out=out)
-        tokens.append(_search(probs.cumsum_(-1), row_uniform))  # the CPU scan: sequential per row
+        if cpu_kernel.library() is not None:  # the scan and the search of the line below, in one C pass
+            tokens.append(cpu_kernel.inverse_cdf(probs, row_uniform))
+        else:
+            tokens.append(_search(probs.cumsum_(-1), row_uniform))  # the CPU scan: sequential per row
     return tokens[0] if len(tokens) == 1 else torch.cat(tokens)
 
 
