@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -113,7 +114,7 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
                                         ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ptr, ctypes.c_int]
     lib.rz_cached_attention.restype = ctypes.c_int
-    lib.rz_inverse_cdf.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+    lib.rz_inverse_cdf.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.rz_inverse_cdf.restype = ctypes.c_int
     return lib
 
@@ -191,9 +192,16 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, lib: ctypes.CDLL | N
     probs, uniform = probs.contiguous(), uniform.contiguous()
     rows, vocab = probs.shape
     out = torch.empty(rows, dtype=torch.long)
-    scratch = torch.empty(4 * vocab, dtype=torch.float32)
-    _check(lib.rz_inverse_cdf(probs.data_ptr(), rows, vocab, uniform.data_ptr(), scratch.data_ptr(), out.data_ptr()))
+    threads = torch.get_num_threads()
+    # Each thread's prefix sums of four rows, kept (a fresh buffer of MBs is fresh pages every call).
+    scratch = getattr(_SCAN_SCRATCH, "flat", None)
+    if scratch is None or scratch.numel() < threads * 4 * vocab:
+        scratch = _SCAN_SCRATCH.flat = torch.empty(threads * 4 * vocab, dtype=torch.float32)
+    _check(lib.rz_inverse_cdf(probs.data_ptr(), rows, vocab, uniform.data_ptr(), scratch.data_ptr(), out.data_ptr(), threads))
     return out
+
+
+_SCAN_SCRATCH = threading.local()
 
 
 def _heads_view(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ truncated distribution. Temperature 0 means greedy: the argmax token, scored und
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -151,13 +152,13 @@ def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """
     if logprobs.device.type != "cpu":
         return _search(_row_cumsum(logprobs.exp()), uniform)
-    # In groups of rows of about 1 MB: a buffer that size comes back from the heap, while one for a
-    # whole batch (39 MB at 64 x 152k) is fresh pages every step, and faulting them in cost more
-    # than the exp and the scan together.
-    group = max(1, _GROUP_ELEMENTS // logprobs.shape[-1])
+    # In groups of rows of about 1 MB, and of at least four rows a thread (the C scan's groups): a
+    # buffer of a few MB comes back from the heap, while one for a whole batch (39 MB at 64 x 152k)
+    # is fresh pages every step, and faulting them in cost more than the exp and the scan together.
+    group = max(4 * torch.get_num_threads(), _GROUP_ELEMENTS // logprobs.shape[-1])
     tokens = []
     for rows, row_uniform in zip(logprobs.split(group), uniform.split(group)):
-        probs = torch.empty_like(rows)
+        probs = _scratch(rows.numel()).view(rows.shape)
         for chunk, out in zip(_row_chunks(rows), _row_chunks(probs)):
             torch.exp(chunk, out=out)
         if cpu_kernel.library() is not None:  # the scan and the search of the line below, in one C pass
@@ -165,6 +166,19 @@ def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         else:
             tokens.append(_search(probs.cumsum_(-1), row_uniform))  # the CPU scan: sequential per row
     return tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+
+
+# Per thread: the buffer the sampler's exp writes into. A fresh one of a few MB is fresh pages on
+# every call (glibc maps an allocation the size of the last one freed anew), and at a 152k
+# vocabulary faulting them in cost three times the exp.
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    flat = getattr(_SCRATCH, "flat", None)
+    if flat is None or flat.numel() < numel:
+        flat = _SCRATCH.flat = torch.empty(numel, dtype=torch.float32)
+    return flat[:numel]
 
 
 def _search(cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

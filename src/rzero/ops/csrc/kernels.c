@@ -231,55 +231,6 @@ static inline __attribute__((always_inline)) void weighted_sum_pair(
     }
 }
 
-/* weighted_sum_pair for four query heads at once: a and b read the V rows at offsets[j], c and d
-   those `shift` further on (the next KV head). Twice the independent chains of fused multiply-adds
-   in flight (a chain per head and 16 values), each still summed in position order. */
-static inline __attribute__((always_inline)) void weighted_sum_quad(
-    int chunks, const float *restrict e_a, const float *restrict e_b, const float *restrict e_c,
-    const float *restrict e_d, const void *v_cache, int bf16, const int64_t *restrict offsets, int64_t shift, int64_t n,
-    float *out_a, float *out_b, float *out_c, float *out_d) {
-    __m512 a[4], b[4], c[4], d[4];
-    for (int k = 0; k < chunks; k++) a[k] = b[k] = c[k] = d[k] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        if (j + PREFETCH_AHEAD < n) {
-            prefetch_row(v_cache, bf16, offsets[j + PREFETCH_AHEAD], 16 * chunks);
-            prefetch_row(v_cache, bf16, offsets[j + PREFETCH_AHEAD] + shift, 16 * chunks);
-        }
-        const __m512 wa = _mm512_set1_ps(e_a[j]), wb = _mm512_set1_ps(e_b[j]);
-        const __m512 wc = _mm512_set1_ps(e_c[j]), wd = _mm512_set1_ps(e_d[j]);
-        for (int k = 0; k < chunks; k++) {
-            const int64_t at = offsets[j] + 16 * k;
-            const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                        (const __m256i *)((const uint16_t *)v_cache + at))), 16))
-                                  : _mm512_loadu_ps((const float *)v_cache + at);
-            const __m512 w = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                        (const __m256i *)((const uint16_t *)v_cache + at + shift))), 16))
-                                  : _mm512_loadu_ps((const float *)v_cache + at + shift);
-            a[k] = _mm512_fmadd_ps(wa, v, a[k]);
-            b[k] = _mm512_fmadd_ps(wb, v, b[k]);
-            c[k] = _mm512_fmadd_ps(wc, w, c[k]);
-            d[k] = _mm512_fmadd_ps(wd, w, d[k]);
-        }
-    }
-    for (int k = 0; k < chunks; k++) {
-        _mm512_storeu_ps(out_a + 16 * k, a[k]);
-        _mm512_storeu_ps(out_b + 16 * k, b[k]);
-        _mm512_storeu_ps(out_c + 16 * k, c[k]);
-        _mm512_storeu_ps(out_d + 16 * k, d[k]);
-    }
-}
-
-/* weighted_sum_quad for head dims of 32 and 64 read in place; 0 if it does not apply. */
-static int weighted_sum_quad_registers(int64_t D, const float *e_a, const float *e_b, const float *e_c,
-                                       const float *e_d, const void *v_cache, int bf16, const int64_t *offsets,
-                                       int64_t n, float *out_a, float *out_b, float *out_c, float *out_d) {
-    switch (D) {
-    case 32: weighted_sum_quad(2, e_a, e_b, e_c, e_d, v_cache, bf16, offsets, D, n, out_a, out_b, out_c, out_d); return 1;
-    case 64: weighted_sum_quad(4, e_a, e_b, e_c, e_d, v_cache, bf16, offsets, D, n, out_a, out_b, out_c, out_d); return 1;
-    default: return 0;
-    }
-}
-
 /* weighted_sum_pair for head dims of 32, 64 and 128 read in place; 0 if it does not apply. */
 static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b, const void *v_cache, int bf16,
                                   const int64_t *offsets, int64_t n, float *out_a, float *out_b) {
@@ -294,13 +245,6 @@ static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b,
 static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b, const void *v_cache, int bf16,
                                   const int64_t *offsets, int64_t n, float *out_a, float *out_b) {
     (void)D, (void)e_a, (void)e_b, (void)v_cache, (void)bf16, (void)offsets, (void)n, (void)out_a, (void)out_b;
-    return 0;
-}
-static int weighted_sum_quad_registers(int64_t D, const float *e_a, const float *e_b, const float *e_c,
-                                       const float *e_d, const void *v_cache, int bf16, const int64_t *offsets,
-                                       int64_t n, float *out_a, float *out_b, float *out_c, float *out_d) {
-    (void)D, (void)e_a, (void)e_b, (void)e_c, (void)e_d, (void)v_cache, (void)bf16, (void)offsets, (void)n;
-    (void)out_a, (void)out_b, (void)out_c, (void)out_d;
     return 0;
 }
 #endif
@@ -340,100 +284,81 @@ typedef struct {
     float scale;
     void *out; /* (tokens, H, D) fp32, or bf16 when out_bf16 (rounded as torch's .to(bfloat16)) */
     int out_bf16;
-    int64_t pair; /* KV heads per work item: 2 (two at once, see run_job) or 1 */
-    int64_t first, last; /* work items [first, last): item = token * (Hkv / pair) + kv_head / pair */
+    int64_t first, last; /* work items [first, last): item = token * Hkv + kv_head */
     int status;
 } Job;
 
 static void *run_job(void *arg) {
     Job *job = (Job *)arg;
     const int64_t H = job->H, Hkv = job->Hkv, D = job->D, block = job->block, G = H / Hkv;
-    const int64_t P = job->pair, per_token = Hkv / P, GG = P * G; /* GG query heads per item */
     const int64_t Dp = (D + LANES - 1) / LANES * LANES;
     int64_t longest = 1;
     for (int64_t item = job->first; item < job->last; item++) {
-        int64_t n = job->token_pos[item / per_token] + 1;
+        int64_t n = job->token_pos[item / Hkv] + 1;
         if (n > longest) longest = n;
     }
-    float *scores = malloc(sizeof(float) * (size_t)(GG * longest));
-    float *q = calloc((size_t)(GG * Dp), sizeof(float));
-    float *acc = malloc(sizeof(float) * (size_t)(GG * Dp));
+    float *scores = malloc(sizeof(float) * (size_t)(G * longest));
+    float *q = calloc((size_t)(G * Dp), sizeof(float));
+    float *acc = malloc(sizeof(float) * (size_t)(G * Dp));
     float *row = calloc((size_t)Dp, sizeof(float));
-    float *sums = malloc(sizeof(float) * (size_t)GG);
+    float *sums = malloc(sizeof(float) * (size_t)G);
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
     if (!scores || !q || !acc || !row || !sums || !offsets) {
         job->status = 1;
         goto done;
     }
     for (int64_t item = job->first; item < job->last; item++) {
-        /* Query heads h0 * G .. h0 * G + GG - 1 of token t: head k reads KV head h0 + k / G, whose
-           rows lie (k / G) * D after KV head h0's. */
-        const int64_t t = item / per_token, h0 = (item % per_token) * P, n = job->token_pos[t] + 1;
+        const int64_t t = item / Hkv, h = item % Hkv, n = job->token_pos[t] + 1;
         const int64_t *table = job->block_tables + job->token_seq[t] * job->table_stride;
-        for (int64_t k = 0; k < GG; k++) {
-            float *restrict qk = q + k * Dp;
-            load_row(job->q, job->q_bf16, (t * H + h0 * G + k) * D, D, qk);
-            for (int64_t d = 0; d < D; d++) qk[d] *= job->scale;
+        for (int64_t g = 0; g < G; g++) {
+            float *restrict qg = q + g * Dp;
+            load_row(job->q, job->q_bf16, (t * H + h * G + g) * D, D, qg);
+            for (int64_t d = 0; d < D; d++) qg[d] *= job->scale;
         }
-        key_offsets(table, n, block, Hkv, h0, D, offsets);
+        key_offsets(table, n, block, Hkv, h, D, offsets);
         for (int64_t j = 0; j < n; j++) {
-            for (int64_t p = 0; p < P; p++) {
-                if (j + PREFETCH_AHEAD < n) prefetch_row(job->k_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD] + p * D, D);
-                const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j] + p * D, D, Dp, row);
-                for (int64_t g = 0; g < G; g++) scores[(p * G + g) * n + j] = dot_row(q + (p * G + g) * Dp, key, Dp);
-            }
+            if (j + PREFETCH_AHEAD < n) prefetch_row(job->k_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
+            const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
+            for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot_row(q + g * Dp, key, Dp);
         }
-        for (int64_t k = 0; k < GG; k++) {
-            float *restrict s = scores + k * n;
+        for (int64_t g = 0; g < G; g++) {
+            float *restrict s = scores + g * n;
             const float top = max_of(s, n);
             for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
         }
-        /* Softmax sums in position order (never reassociated), four heads at a time so that four
-           independent chains of additions overlap (a missing head repeats the last). */
-        for (int64_t k = 0; k < GG; k += 4) {
-            const int64_t last = GG - 1;
-            const float *sa = scores + k * n, *sb = scores + (k + 1 < GG ? k + 1 : last) * n;
-            const float *sc = scores + (k + 2 < GG ? k + 2 : last) * n, *sd = scores + (k + 3 < GG ? k + 3 : last) * n;
-            float sum_a = 0.0f, sum_b = 0.0f, sum_c = 0.0f, sum_d = 0.0f;
+        /* Softmax sums in position order (never reassociated), two heads at a time so that two
+           independent chains of additions overlap. */
+        for (int64_t g = 0; g < G; g += 2) {
+            const float *sa = scores + g * n, *sb = scores + (g + 1 < G ? g + 1 : g) * n;
+            float sum_a = 0.0f, sum_b = 0.0f;
             for (int64_t j = 0; j < n; j++) {
                 sum_a += sa[j];
                 sum_b += sb[j];
-                sum_c += sc[j];
-                sum_d += sd[j];
             }
-            const float got[4] = {sum_a, sum_b, sum_c, sum_d};
-            for (int64_t i = 0; i < 4 && k + i < GG; i++) sums[k + i] = got[i];
+            sums[g] = sum_a;
+            if (g + 1 < G) sums[g + 1] = sum_b;
         }
-        int in_registers = P == 2 && G == 2 &&
-                           weighted_sum_quad_registers(D, scores, scores + n, scores + 2 * n, scores + 3 * n,
-                                                       job->v_cache, job->kv_bf16, offsets, n, acc, acc + Dp,
-                                                       acc + 2 * Dp, acc + 3 * Dp);
-        for (int64_t p = 0; p < P && !in_registers; p++) {
-            /* Per KV head: its offsets shifted to its rows, its query heads two at a time. */
-            if (p > 0)
-                for (int64_t j = 0; j < n; j++) offsets[j] += D;
-            int ok = 1;
-            for (int64_t g = 0; g < G && ok; g += 2) {
-                const int64_t k = p * G + g, k2 = g + 1 < G ? k + 1 : k; /* an odd last head is computed twice */
-                ok = weighted_sum_registers(D, scores + k * n, scores + k2 * n, job->v_cache, job->kv_bf16, offsets, n,
-                                            acc + k * Dp, acc + k2 * Dp);
-            }
-            if (!ok) {
-                memset(acc + p * G * Dp, 0, sizeof(float) * (size_t)(G * Dp));
-                for (int64_t j = 0; j < n; j++) {
-                    const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
-                    for (int64_t g = 0; g < G; g++) axpy_row(acc + (p * G + g) * Dp, scores[(p * G + g) * n + j], value, Dp);
-                }
+        int in_registers = 1;
+        for (int64_t g = 0; g < G && in_registers; g += 2) {
+            const int64_t g2 = g + 1 < G ? g + 1 : g; /* an odd last head is computed twice */
+            in_registers = weighted_sum_registers(D, scores + g * n, scores + g2 * n, job->v_cache, job->kv_bf16,
+                                                  offsets, n, acc + g * Dp, acc + g2 * Dp);
+        }
+        if (!in_registers) {
+            memset(acc, 0, sizeof(float) * (size_t)(G * Dp));
+            for (int64_t j = 0; j < n; j++) {
+                const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
+                for (int64_t g = 0; g < G; g++) axpy_row(acc + g * Dp, scores[g * n + j], value, Dp);
             }
         }
-        for (int64_t k = 0; k < GG; k++) {
-            const int64_t dst = (t * H + h0 * G + k) * D;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t dst = (t * H + h * G + g) * D;
             if (job->out_bf16) {
                 uint16_t *restrict o16 = (uint16_t *)job->out + dst;
-                for (int64_t d = 0; d < D; d++) o16[d] = float_to_bf16(acc[k * Dp + d] / sums[k]);
+                for (int64_t d = 0; d < D; d++) o16[d] = float_to_bf16(acc[g * Dp + d] / sums[g]);
             } else {
                 float *restrict o32 = (float *)job->out + dst;
-                for (int64_t d = 0; d < D; d++) o32[d] = acc[k * Dp + d] / sums[k];
+                for (int64_t d = 0; d < D; d++) o32[d] = acc[g * Dp + d] / sums[g];
             }
         }
     }
@@ -451,17 +376,14 @@ static int attention_jobs(const void *q, int q_bf16, const void *k_cache, const 
                           const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
                           const int64_t *token_pos, int64_t tokens, int64_t H, int64_t Hkv, int64_t D, int64_t block,
                           float scale, void *out, int out_bf16, int threads) {
-    /* Two KV heads per work item where two query heads share each (the tiny presets): four heads'
-       weighted sums in registers at once (weighted_sum_quad). The item's layout cannot change a bit. */
-    const int64_t pair = (Hkv % 2 == 0 && H / Hkv == 2 && (D == 32 || D == 64)) ? 2 : 1;
-    const int64_t items = tokens * (Hkv / pair);
+    const int64_t items = tokens * Hkv;
     if (threads < 1) threads = 1;
     if (threads > items) threads = items > 0 ? (int)items : 1;
     Job jobs[64];
     if (threads > 64) threads = 64;
     for (int i = 0; i < threads; i++) {
         jobs[i] = (Job){q, k_cache, v_cache, q_bf16, kv_bf16, block_tables, token_seq, token_pos,
-                        table_stride, H, Hkv, D, block, scale, out, out_bf16, pair,
+                        table_stride, H, Hkv, D, block, scale, out, out_bf16,
                         items * i / threads, items * (i + 1) / threads, 0};
     }
     int status = run_parallel(run_job, jobs, sizeof(Job), threads);
@@ -817,14 +739,25 @@ int rz_cached_attention(const void *q, const void *k, const void *v, int64_t q_s
    cumsum as torch's CPU scan computes it (a double accumulator, each prefix rounded to fp32),
    total its last prefix, the product rounded to fp32, and the search torch's binary search (the
    same midpoints, so the same index even for a row that is not sorted, e.g. one with a NaN). Rows
-   go four at a time so that four independent chains of additions overlap; each row's scan keeps
-   its order. scratch: 4 * V floats. */
-int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uniform, float *scratch, int64_t *out) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t count = rows - r0 < 4 ? rows - r0 : 4;
-        const float *p[4];
-        for (int64_t i = 0; i < 4; i++) p[i] = probs + (r0 + (i < count ? i : count - 1)) * V;
-        double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+   go four at a time so that four independent chains of additions overlap (each row's scan keeps
+   its order), the groups of four split over `threads`. scratch: threads * 4 * V floats. */
+typedef struct {
+    const float *probs, *uniform;
+    float *scratch;
+    int64_t *out;
+    int64_t V, first, last; /* rows [first, last) */
+} ScanJob;
+
+static void scan_rows(const float *probs, int64_t V, const float *uniform, float *scratch, int64_t *out, int64_t count) {
+    const float *p[4];
+    for (int64_t i = 0; i < 4; i++) p[i] = probs + (i < count ? i : count - 1) * V;
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    if (count == 1) { /* one row: one chain, the others would only repeat it */
+        for (int64_t j = 0; j < V; j++) {
+            a0 += (double)p[0][j];
+            scratch[j] = (float)a0;
+        }
+    } else {
         for (int64_t j = 0; j < V; j++) {
             a0 += (double)p[0][j];
             a1 += (double)p[1][j];
@@ -835,19 +768,41 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
             scratch[2 * V + j] = (float)a2;
             scratch[3 * V + j] = (float)a3;
         }
-        for (int64_t i = 0; i < count; i++) {
-            const float *cumulative = scratch + i * V;
-            const float threshold = uniform[r0 + i] * cumulative[V - 1];
-            int64_t lo = 0, hi = V;
-            while (lo < hi) {
-                const int64_t mid = lo + ((hi - lo) >> 1);
-                if (!(cumulative[mid] > threshold))
-                    lo = mid + 1;
-                else
-                    hi = mid;
-            }
-            out[r0 + i] = lo;
-        }
     }
-    return 0;
+    for (int64_t i = 0; i < count; i++) {
+        const float *cumulative = scratch + i * V;
+        const float threshold = uniform[i] * cumulative[V - 1];
+        int64_t lo = 0, hi = V;
+        while (lo < hi) {
+            const int64_t mid = lo + ((hi - lo) >> 1);
+            if (!(cumulative[mid] > threshold))
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        out[i] = lo;
+    }
+}
+
+static void *run_scan(void *arg) {
+    ScanJob *job = (ScanJob *)arg;
+    for (int64_t r = job->first; r < job->last; r += 4) {
+        const int64_t count = job->last - r < 4 ? job->last - r : 4;
+        scan_rows(job->probs + r * job->V, job->V, job->uniform + r, job->scratch, job->out + r, count);
+    }
+    return NULL;
+}
+
+int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uniform, float *scratch, int64_t *out,
+                   int threads) {
+    const int64_t groups = (rows + 3) / 4;
+    if (threads < 1) threads = 1;
+    if (threads > groups) threads = groups > 0 ? (int)groups : 1;
+    if (threads > 64) threads = 64;
+    ScanJob jobs[64];
+    for (int i = 0; i < threads; i++) {
+        const int64_t first = groups * i / threads * 4, last = groups * (i + 1) / threads * 4;
+        jobs[i] = (ScanJob){probs, uniform, scratch + (int64_t)i * 4 * V, out, V, first, last < rows ? last : rows};
+    }
+    return run_parallel(run_scan, jobs, sizeof(ScanJob), threads);
 }
