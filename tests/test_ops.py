@@ -798,6 +798,24 @@ def test_a_uniform_stream_draws_its_generators_own_sequence():
         assert torch.equal(INVARIANT.sample_tokens(rows, [False] * 4, plain), INVARIANT.sample_tokens(rows, [False] * 4, streams))
 
 
+def test_the_samplers_kept_buffer_serves_inference_mode_and_plain_no_grad_alike():
+    """The engine samples in inference mode and a replay outside it, on one thread: the kept
+    buffers (rzero/ops/scratch.py) must take in-place writes in both, in either order."""
+    from rzero.ops.scratch import scratch
+
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.log_softmax(randn(gen, 3, 4096), -1)
+    with torch.inference_mode():
+        first = INVARIANT.sample_tokens(rows, [False] * 3, [torch.Generator().manual_seed(i) for i in range(3)])
+    with torch.no_grad():
+        again = INVARIANT.sample_tokens(rows, [False] * 3, [torch.Generator().manual_seed(i) for i in range(3)])
+    assert torch.equal(first, again)
+    with torch.inference_mode():
+        buffer = scratch("test-kept", 8)
+    buffer.fill_(1.0)  # outside inference mode: an inference tensor would refuse this
+    assert scratch("test-kept", 4).sum().item() == 4.0
+
+
 def test_first_max_is_argmax_with_ties_and_nan():
     """The sampler's max(dim).indices picks what torch.argmax picks: the first maximum, and a NaN
     as the maximum; on rows with many ties, large vocabularies and strided rows."""

@@ -29,13 +29,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import warnings
 from pathlib import Path
 
 import torch
 
 from rzero.ops.attention_meta import AttentionMeta
+from rzero.ops.scratch import scratch
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread")
@@ -193,15 +193,9 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, lib: ctypes.CDLL | N
     rows, vocab = probs.shape
     out = torch.empty(rows, dtype=torch.long)
     threads = torch.get_num_threads()
-    # Each thread's prefix sums of four rows, kept (a fresh buffer of MBs is fresh pages every call).
-    scratch = getattr(_SCAN_SCRATCH, "flat", None)
-    if scratch is None or scratch.numel() < threads * 4 * vocab:
-        scratch = _SCAN_SCRATCH.flat = torch.empty(threads * 4 * vocab, dtype=torch.float32)
-    _check(lib.rz_inverse_cdf(probs.data_ptr(), rows, vocab, uniform.data_ptr(), scratch.data_ptr(), out.data_ptr(), threads))
+    prefixes = scratch("inverse_cdf", threads * 4 * vocab)  # each thread's prefix sums of four rows
+    _check(lib.rz_inverse_cdf(probs.data_ptr(), rows, vocab, uniform.data_ptr(), prefixes.data_ptr(), out.data_ptr(), threads))
     return out
-
-
-_SCAN_SCRATCH = threading.local()
 
 
 def _heads_view(x: torch.Tensor) -> torch.Tensor:

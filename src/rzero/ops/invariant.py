@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 
 import torch
 
 from rzero.ops import weight_copies
+from rzero.ops.scratch import scratch
 from rzero.ops.invariant_attention import attention, cached_attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401
     ROW_TILE,
@@ -234,19 +234,6 @@ def _prepack_pays(wt: torch.Tensor) -> bool:
     return wt.dtype == torch.bfloat16 and wt.shape[0] >= PREPACK_MIN_K and prepack_proven(*wt.shape, torch.get_num_threads())
 
 
-# Per thread (an engine thread and the trainer may share a process): the fp32 buffer panel GEMMs
-# write into. Their results are tens of MB at a large model's LM head, and a fresh allocation of
-# that size is page-faulted in on every call: 157 against 76 ms for (64, 1024) x 151936 on two threads.
-_SCRATCH = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    flat = getattr(_SCRATCH, "flat", None)
-    if flat is None or flat.numel() < numel:
-        flat = _SCRATCH.flat = torch.empty(numel, dtype=torch.float32)
-    return flat[:numel]
-
-
 def _panel_linear(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2 (rows, K) bf16 times a large bf16 weight on the fp32 GEMM, in column panels (PANEL_MIN):
     (the bf16 result (rows, N), the widened rows, the panels)."""
@@ -256,11 +243,11 @@ def _panel_linear(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> tu
     total = -(-rows // ROW_TILE) * ROW_TILE
     xp = _operand_rows(x2, total, torch.float32)
     result = torch.empty(total, count * width, dtype=torch.bfloat16)
-    scratch = _scratch(count * min(total, PANEL_ROWS) * width)
+    part_buffer = scratch("panels", count * min(total, PANEL_ROWS) * width)  # rzero/ops/scratch.py
     for start in range(0, total, PANEL_ROWS):
         tile = xp[start : start + PANEL_ROWS]
         n = tile.shape[0]
-        part = scratch[: count * n * width].view(count, n, width)
+        part = part_buffer[: count * n * width].view(count, n, width)
         torch.bmm(tile.expand(count, n, k), panels, out=part)
         result[start : start + n].view(n, count, width).copy_(part.transpose(0, 1))  # rounded, in row order
     return result[:rows, : weight.shape[0]], xp[:rows], panels

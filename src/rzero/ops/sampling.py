@@ -13,13 +13,13 @@ truncated distribution. Temperature 0 means greedy: the argmax token, scored und
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from rzero.ops import cpu_kernel
+from rzero.ops.scratch import scratch
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     group = max(4 * torch.get_num_threads(), _GROUP_ELEMENTS // logprobs.shape[-1])
     tokens = []
     for rows, row_uniform in zip(logprobs.split(group), uniform.split(group)):
-        probs = _scratch(rows.numel()).view(rows.shape)
+        probs = scratch("sampler", rows.numel()).view(rows.shape)  # kept: rzero/ops/scratch.py
         for chunk, out in zip(_row_chunks(rows), _row_chunks(probs)):
             torch.exp(chunk, out=out)
         if cpu_kernel.library() is not None:  # the scan and the search of the line below, in one C pass
@@ -166,19 +166,6 @@ def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         else:
             tokens.append(_search(probs.cumsum_(-1), row_uniform))  # the CPU scan: sequential per row
     return tokens[0] if len(tokens) == 1 else torch.cat(tokens)
-
-
-# Per thread: the buffer the sampler's exp writes into. A fresh one of a few MB is fresh pages on
-# every call (glibc maps an allocation the size of the last one freed anew), and at a 152k
-# vocabulary faulting them in cost three times the exp.
-_SCRATCH = threading.local()
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    flat = getattr(_SCRATCH, "flat", None)
-    if flat is None or flat.numel() < numel:
-        flat = _SCRATCH.flat = torch.empty(numel, dtype=torch.float32)
-    return flat[:numel]
 
 
 def _search(cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
