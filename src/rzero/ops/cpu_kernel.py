@@ -218,6 +218,8 @@ def cached_attention(
     lib = lib or library()
     tokens, heads, head_dim = q.shape
     q, k, v = _heads_view(q), _heads_view(k), _heads_view(v)
+    # Every tensor whose pointer the call takes is held here, so no temporary is freed before it.
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     cos, sin = cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous()
     tables = meta.block_tables.contiguous()
     seq, pos = _token_index(meta)
@@ -225,7 +227,7 @@ def cached_attention(
     out = torch.empty(meta.padded_tokens, heads, head_dim, dtype=q.dtype)
     _check(lib.rz_cached_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), q.dtype == torch.bfloat16,
-        q_weight.contiguous().data_ptr(), k_weight.contiguous().data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+        q_weight.data_ptr(), k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
         meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_rot.data_ptr(), tables.data_ptr(),
         tables.shape[1], seq.data_ptr(), pos.data_ptr(), meta.num_tokens, meta.padded_tokens, heads, k_cache.shape[2],
         head_dim, k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads(),

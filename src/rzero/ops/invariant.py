@@ -14,9 +14,8 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   proves they give a 16-row tile's bits (`big_tiles`); decode-size inputs on bf16 weights with
   K >= 1024 run on a oneDNN-prepacked weight where a probe proves the same bits (`prepack_proven`).
   The backward is plain (F.linear's math). On Intel CPUs without AMX a bf16 linear runs on the
-  fp32 GEMM, the bf16 values widened (`bf16_gemm`; on AMD CPUs with avx512_bf16, only from
-  PANEL_MIN weight elements on): below PANEL_MIN weight elements all of the above on
-  the widened (N, K) weight, from it on one bmm over 512-column panels of 16-128-row tiles, whose
+  fp32 GEMM, the bf16 values widened (`bf16_gemm`; AMD CPUs with avx512_bf16 keep the bf16 GEMM):
+  below PANEL_MIN weight elements all of the above on the widened (N, K) weight, from it on one bmm over 512-column panels of 16-128-row tiles, whose
   batched GEMMs run one per thread and so give every thread count the same bits.
 The row and elementwise ops below live in rzero/ops/invariant_rows.py, attention in
 rzero/ops/invariant_attention.py; this module holds the linear layers and is the numerics' one
@@ -88,29 +87,25 @@ PANEL_ROWS = 128
 
 
 def _fp32_route(weight: torch.Tensor) -> bool:
-    """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of the machine and the
-    weight's shape, the same for the engine and the trainer)."""
-    if weight.dtype != torch.bfloat16:
-        return False
-    route = bf16_gemm()
-    return route == "fp32" or (route == "bf16+panels" and weight.numel() >= PANEL_MIN)
+    """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of the machine, the same
+    for the engine and the trainer)."""
+    return weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32"
 
 
-BF16_GEMMS = ("bf16", "fp32", "bf16+panels")
+BF16_GEMMS = ("bf16", "fp32")
 
 
 @functools.lru_cache(maxsize=None)
 def bf16_gemm() -> str:
     """How a bf16 linear multiplies on this CPU, one of BF16_GEMMS:
-    "bf16": oneDNN's bf16 GEMM on bf16 operands, every weight (CPUs with amx_bf16);
+    "bf16": oneDNN's bf16 GEMM on bf16 operands (CPUs with amx_bf16, and AMD CPUs with avx512_bf16
+      such as Zen 4, where it runs at ~2.3x the fp32 rate and, on the engine's row-major weights,
+      takes 0.3-0.45x the fp32 panels' time at a 0.6B model's shapes from 16 to 1024 rows;
+      docs/benchmarks.md, eleventh session);
     "fp32": the fp32 invariant GEMM on the bf16 values widened exactly to fp32, the result rounded
-      to bf16, every weight (other CPUs: without AMX, Intel's oneDNN bf16 GEMM runs at about half
-      the fp32 rate, docs/benchmarks.md, fifth session);
-    "bf16+panels": the bf16 GEMM below PANEL_MIN weight elements, fp32 column panels from it (AMD
-      CPUs with avx512_bf16, e.g. Zen 4: there the bf16 GEMM runs at ~2.3x the fp32 rate on the
-      tiny models' shapes and on a 0.6B model's prefill, but at a 0.6B model's decode sizes the
-      panels are 1.3-2.6x faster; docs/benchmarks.md, tenth session).
-    All are invariant; they give different bits, so every process of a run must pick the same
+      to bf16 (other CPUs: without AMX, Intel's oneDNN bf16 GEMM runs at about half the fp32 rate,
+      docs/benchmarks.md, fifth session); from PANEL_MIN weight elements in column panels.
+    Both are invariant; they give different bits, so every process of a run must pick the same
     (they do: same machine, same environment). RZERO_BF16_GEMM overrides."""
     forced = os.environ.get("RZERO_BF16_GEMM", "")
     if forced:
@@ -124,9 +119,7 @@ def bf16_gemm() -> str:
         lines = []
     flags = next((line for line in lines if line.startswith("flags")), "").split()
     amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in lines)
-    if "amx_bf16" in flags:
-        return "bf16"
-    return "bf16+panels" if amd and "avx512_bf16" in flags else "fp32"
+    return "bf16" if "amx_bf16" in flags or (amd and "avx512_bf16" in flags) else "fp32"
 
 
 def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
