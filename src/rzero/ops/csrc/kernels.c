@@ -87,6 +87,9 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     return (uint16_t)(u >> 16);
 }
 
+/* f rounded to bf16 and back: the value a bf16 tensor holds after an op computed in fp32. */
+static inline float rounded_bf16(float f) { return bf16_value(float_to_bf16(f)); }
+
 #if defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
 /* lane_tree with lanes 0-7 in lo and 8-15 in hi. */
@@ -560,12 +563,7 @@ static inline void rms_norm_row(const void *x, int bf16, int64_t offset, int64_t
     const float r = 1.0f / sqrtf(dot(row, row, Np) / (float)N + eps);
     if (bf16) {
         uint16_t *restrict o16 = (uint16_t *)out + dst;
-        for (int64_t d = 0; d < N; d++) {
-            uint32_t bits = (uint32_t)float_to_bf16(row[d] * r) << 16;
-            float normed;
-            memcpy(&normed, &bits, sizeof normed);
-            o16[d] = float_to_bf16(w[d] * normed);
-        }
+        for (int64_t d = 0; d < N; d++) o16[d] = float_to_bf16(w[d] * rounded_bf16(row[d] * r));
     } else {
         float *restrict o32 = (float *)out + dst;
         for (int64_t d = 0; d < N; d++) o32[d] = w[d] * (row[d] * r);
@@ -640,7 +638,6 @@ int rz_rms_norm_backward(const void *x, int bf16, int64_t outer, int64_t inner, 
    bits are the torch expression's (tests/test_cpu_kernel.py). x and out: (T, H, D), cos and sin:
    (T, D), all contiguous. */
 
-static inline float rounded_bf16(float f) { return bf16_value(float_to_bf16(f)); }
 
 /* One half of a row: out[d] = x[d] * c[d] + sign * x[d + shift] * s[d] for d in [0, n); a loop
    without branches, which the compiler vectorises. */
