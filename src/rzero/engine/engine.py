@@ -288,7 +288,7 @@ class Engine:
         elif params.stop and self._hit_stop_string(seq):
             reason = "stop"
         elif (
-            len(seq.output_ids) >= params.max_tokens
+            len(seq) - seq.num_prompt_tokens >= params.max_tokens  # len(output_ids), without the copy
             or len(seq) >= self.max_model_len
             # The next step would need K/V for len(seq) tokens: more than the whole cache holds, so
             # the sequence could never be scheduled again (step() would return [] forever).

@@ -66,6 +66,8 @@ def top_logprobs(seqs: list[Sequence], logprobs: torch.Tensor) -> list[list[tupl
     of the row alone gives ties to the lower id, whatever the batch; tokens the sampling transform
     truncated away (logprob -inf) are not among the alternatives.
     """
+    if not any(seq.params.top_logprobs for seq in seqs):
+        return [None] * len(seqs)
     top: list[list[tuple[int, float]] | None] = []
     for row, seq in enumerate(seqs):
         k = seq.params.top_logprobs

@@ -117,6 +117,7 @@ class Packed:
         for lin, view in zip(linears, views):
             lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
         self.ptrs = [v.data_ptr() for v in views]
+        self.sizes = [v.shape[0] for v in views]  # each module's columns of the joined output
 
     def usable(self, linears: list[Linear]) -> bool:
         """Whether the modules' parameters are still views of the packed tensor."""
@@ -127,13 +128,12 @@ def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numeri
     """Each of `linears` applied to x, in one GEMM (the same bits as one GEMM each): on the packed
     weight when no gradient is wanted, else on the weights joined for this pass (in training,
     autograd hands each weight its rows of the gradient)."""
-    weights = [lin.weight for lin in linears]
     packed_weights = owner.__dict__.get("packed")
+    if packed_weights is not None and not torch.is_grad_enabled() and packed_weights.usable(linears):
+        return list(nx.linear(x, packed_weights.weight).split(packed_weights.sizes, dim=-1))
+    weights = [lin.weight for lin in linears]
     grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-    if packed_weights is not None and packed_weights.usable(linears) and not grad:
-        fused = packed_weights.weight
-    else:
-        fused = joined(weights)
+    fused = packed_weights.weight if packed_weights is not None and packed_weights.usable(linears) and not grad else joined(weights)
     return list(nx.linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
 
 
@@ -271,10 +271,9 @@ class Qwen3ForCausalLM(nn.Module):
         if input_ids.device != device:  # under inference_mode even a no-op .to() is an aten op (C0 counts them)
             input_ids = input_ids.to(device)
         meta = meta.to(device)
-        positions = meta.positions
-        if int(positions.max()) >= self.config.max_position_embeddings:
+        if meta.max_position >= self.config.max_position_embeddings:
             raise ValueError(
-                f"position {int(positions.max())} is beyond max_position_embeddings "
+                f"position {meta.max_position} is beyond max_position_embeddings "
                 f"({self.config.max_position_embeddings})"
             )
         nx = self.numerics
@@ -285,8 +284,8 @@ class Qwen3ForCausalLM(nn.Module):
             )
         # Pad the token rows once, up front, to the numerics' row tile (see rzero.ops).
         ids = nn.functional.pad(input_ids, (0, meta.padded_tokens - meta.num_tokens))
-        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        cos_table, sin_table = self.rotary_tables()
+        cos, sin = cos_table[meta.positions].unsqueeze(1), sin_table[meta.positions].unsqueeze(1)
         h = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             cache = None if kv_caches is None else kv_caches[i]
@@ -295,6 +294,18 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 h = layer(h, cos, sin, meta, cache, nx)
         return self.model.norm(h, nx)[: meta.num_tokens]
+
+    def rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_cos and rope_sin in the model's dtype: the rounding of each value that a cast of
+        the rows a pass gathers gives (a cast is elementwise), done once per dtype and device
+        instead of twice a forward pass."""
+        key = (self.rope_cos.device, self.dtype)
+        kept = self.__dict__.get("_rotary_tables")
+        if kept is None or kept[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # one copy for engine and trainer alike
+                kept = (key, (self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)))
+            self.__dict__["_rotary_tables"] = kept
+        return kept[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits in fp32 for the given rows of hidden states."""

@@ -40,6 +40,7 @@ class AttentionMeta:
     token_seq: torch.Tensor  # (T,) sequence of each real token
     # (padded_tokens,) absolute position of every token in flat order (padding rows repeat the first's)
     positions: torch.Tensor
+    max_position: int  # the largest of positions (the model checks it against its rotary table)
     # Trainer caches built from a shared prompt (`for_shared_prompts`): more cache slots that hold a
     # copy of some token's K/V (slot copy_slots[i] gets row copy_rows[i]). None: none.
     copy_slots: torch.Tensor | None = None
@@ -106,6 +107,7 @@ class AttentionMeta:
             num_blocks=int(tables.max()) + 1,
             token_seq=torch.from_numpy(seq),
             positions=torch.from_numpy(positions),
+            max_position=int(pos.max()),
         )
 
     @classmethod

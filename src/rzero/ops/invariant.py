@@ -292,6 +292,16 @@ def _linear_forward(
     prepacked copy of the weight, and the fp32 route may keep its widened weight; a weight in
     training changes every step and is never packed. `operands`, if given, receives x's rows and
     the (N, K) weight as multiplied (widened on the fp32 route), for the backward to reuse."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if operands is None and rows % ROW_TILE == 0 and x2.dtype == weight.dtype and x2.is_contiguous():
+        # The decode steps ask the same question every step: whether one plain mm holds every row.
+        key = (rows, weight.shape, weight.stride(), weight.dtype, may_prepack, torch.get_num_threads())
+        whole = _ONE_MM.get(key)
+        if whole is None:
+            whole = _ONE_MM[key] = _one_mm_holds(rows, weight, may_prepack)
+        if whole:
+            return torch.mm(x2, gemm_operand(weight)).view(*x.shape[:-1], weight.shape[0])
     fp32_route = _fp32_route(weight)
     if x.dtype != weight.dtype and not fp32_route:
         raise TypeError(f"invariant linear: input {x.dtype} and weight {weight.dtype} must be of one dtype")
@@ -302,8 +312,6 @@ def _linear_forward(
         return out.reshape(*x.shape[:-1], weight.shape[0])
     # The fp32 route multiplies the bf16 values widened exactly to fp32 (see bf16_gemm).
     gemm_weight = weight_copies.widened(weight, may_prepack) if fp32_route else weight
-    x2 = x.reshape(-1, x.shape[-1])
-    rows = x2.shape[0]
     total = -(-rows // ROW_TILE) * ROW_TILE
     wt = gemm_operand(gemm_weight)
     prepack = may_prepack and _prepack_pays(wt)
@@ -336,6 +344,22 @@ def _linear_forward(
         operands.extend((x2 if not fp32_route else xp if xp.shape[0] == rows else xp[:rows], gemm_weight))
     result = out[:rows].reshape(*x.shape[:-1], weight.shape[0])
     return result.to(torch.bfloat16) if fp32_route else result
+
+
+_ONE_MM: dict[tuple, bool] = {}  # (rows, weight shape, strides, dtype, may_prepack, threads) -> one mm?
+
+
+def _one_mm_holds(rows: int, weight: torch.Tensor, may_prepack: bool) -> bool:
+    """Whether `_linear_forward` of `rows` rows (a multiple of ROW_TILE, contiguous, in the
+    weight's dtype) runs as one plain mm on gemm_operand(weight): the weight's own dtype GEMM, and
+    a tile plan of one proven tile of exactly those rows. The same decision as the full path's."""
+    if _fp32_route(weight):
+        return False
+    wt = gemm_operand(weight)
+    prepack = may_prepack and _prepack_pays(wt)
+    proven = big_tiles(*wt.shape, wt.dtype, wt.is_contiguous(), torch.get_num_threads())
+    tiles, _ = _tile_plan(rows, proven, prepack, wt.shape[0] * wt.shape[1])
+    return tiles == ((0, rows),)
 
 
 class _Linear(torch.autograd.Function):

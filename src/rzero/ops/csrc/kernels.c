@@ -319,6 +319,17 @@ static void *run_job(void *arg) {
             for (int64_t d = 0; d < D; d++) qg[d] *= job->scale;
         }
         key_offsets(table, n, block, Hkv, h, D, offsets);
+        /* The loops below prefetch PREFETCH_AHEAD rows ahead of themselves; the first rows of the
+           values, and of the next item's keys, are asked for here, so that they arrive while this
+           item's scores are computed (the cache rows of a decode step come from L3 or memory:
+           the weights' streaming evicts them between layers). */
+        for (int64_t j = 0; j < n && j < PREFETCH_AHEAD; j++) prefetch_row(job->v_cache, job->kv_bf16, offsets[j], D);
+        if (item + 1 < job->last) {
+            const int64_t t1 = (item + 1) / Hkv, h1 = (item + 1) % Hkv, n1 = job->token_pos[t1] + 1;
+            const int64_t *table1 = job->block_tables + job->token_seq[t1] * job->table_stride;
+            for (int64_t j = 0; j < n1 && j < PREFETCH_AHEAD; j++)
+                prefetch_row(job->k_cache, job->kv_bf16, ((table1[j / block] * block + j % block) * Hkv + h1) * D, D);
+        }
         for (int64_t j = 0; j < n; j++) {
             if (j + PREFETCH_AHEAD < n) prefetch_row(job->k_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
             const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
