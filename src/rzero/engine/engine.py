@@ -84,6 +84,7 @@ class Engine:
             num_kv_blocks = kv_cache_bytes // (per_block * torch.finfo(model.dtype).bits // 8)
         self.scheduler = Scheduler(num_kv_blocks, max_num_batched_tokens, max_num_seqs)
         self.blocks = self.scheduler.blocks
+        self._cache_tokens = self.blocks.num_blocks * self.blocks.block_size  # the whole cache's K/V rows
         self.kv_caches = model.new_kv_caches(num_kv_blocks)
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._tokenizer_eos())
@@ -246,6 +247,7 @@ class Engine:
                 self.scheduler.computed(seq, n)
             if prompt_rows:
                 sampler.score_prompt(self.numerics, prompt_positions, self.model.logits(hidden[prompt_rows]))
+            every_row = len(logit_rows) == len(ids)  # each row is a sequence's last token (rows ascend)
             for row, seq in zip(list(logit_rows), list(samplers)):
                 if seq.followers and len(seq) == seq.num_prompt_tokens:  # a group's prompt, just computed
                     for follower in self._fork(seq):
@@ -253,7 +255,8 @@ class Engine:
                         samplers.append(follower)
             if not samplers:
                 return []
-            logits = self.model.logits(hidden[logit_rows])
+            # A plain decode step samples from every row, in order: no gather.
+            logits = self.model.logits(hidden if every_row and len(logit_rows) == len(ids) else hidden[logit_rows])
             return [self._append(*sampled) for sampled in sampler.sample(self.numerics, samplers, logits)]
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
@@ -292,7 +295,7 @@ class Engine:
             or len(seq) >= self.max_model_len
             # The next step would need K/V for len(seq) tokens: more than the whole cache holds, so
             # the sequence could never be scheduled again (step() would return [] forever).
-            or self.blocks.blocks_for(len(seq)) > self.blocks.num_blocks
+            or len(seq) > self._cache_tokens
         ):
             reason = "length"
         if reason is not None:

@@ -46,6 +46,10 @@ class Scheduler:
             if seq.status != Status.RUNNING or budget == 0:
                 continue
             n = min(len(seq) - seq.num_computed, budget)
+            if seq.num_computed + n <= len(seq.block_table) * ATTN_BLOCK:  # its blocks hold it already (most steps)
+                batch.append((seq, n))
+                budget -= n
+                continue
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,13 @@ class SamplingParams:
     @property
     def transform(self) -> SamplingTransform:
         return SamplingTransform(self.temperature, self.top_k, self.top_p)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared(transform: SamplingTransform) -> SamplingTransform:
+    """One object per distinct transform (the first one seen), so that the sampler tells a batch of
+    one transform by identity instead of hashing a dataclass per row every step."""
+    return transform
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:
@@ -97,7 +105,7 @@ class Sequence:
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.params = params
-        self.transform = params.transform
+        self.transform = _shared(params.transform)
         self.uniforms = UniformStream(generator)  # the sampler's draws (the generator's own sequence)
         self.status = Status.WAITING
         self.block_table: list[int] = []
