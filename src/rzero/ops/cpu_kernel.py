@@ -110,6 +110,8 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     lib.rz_rms_norm_backward.restype = ctypes.c_int
     lib.rz_rotary.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
     lib.rz_rotary.restype = ctypes.c_int
+    lib.rz_rotary_backward.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
+    lib.rz_rotary_backward.restype = ctypes.c_int
     lib.rz_cached_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_float, ptr, ptr,
                                         ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ptr, ctypes.c_int]
@@ -309,6 +311,17 @@ def rms_norm_backward(
         None if grad_x is None else grad_x.data_ptr(), None if grad_w is None else grad_w.data_ptr(),
     ))
     return (None if grad_x is None else grad_x.to(x.dtype)), (None if grad_w is None else grad_w.to(weight.dtype))
+
+
+def rotary_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of `rotary`'s x for the output gradient grad (T, H, D): grad * cos plus the
+    transposed rotation of grad * sin, with that torch expression's bits (cos, sin as for `rotary`)."""
+    T, H, D = grad.shape
+    grad, cos, sin = grad.contiguous(), cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
+    out = torch.empty_like(grad)
+    _check(library().rz_rotary_backward(grad.data_ptr(), grad.dtype == torch.bfloat16, cos.data_ptr(), sin.data_ptr(),
+                                        T, H, D, out.data_ptr()))
+    return out
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:

@@ -55,8 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _Rotary(torch.autograd.Function):
-    """The C kernel's forward; the backward is the torch expression's own gradient (x * cos and the
-    rotated x * sin, summed), the same bits autograd gives the expression."""
+    """The C kernel's forward; the backward is the torch expression's own gradient (grad * cos plus
+    the rotated grad * sin), the bits autograd gives the expression, also in one C pass."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -66,6 +66,8 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
+        if grad.dtype == cos.dtype:  # one C pass with the expression's bits (rzero/ops/cpu_kernel.py)
+            return cpu_kernel.rotary_backward(grad, cos, sin), None, None
         half = grad.shape[-1] // 2
         through_sin = grad * sin
         return grad * cos + torch.cat((through_sin[..., half:], -through_sin[..., :half]), dim=-1), None, None

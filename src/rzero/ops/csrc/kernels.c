@@ -692,6 +692,36 @@ int rz_rotary(const void *x, int bf16, const void *cos, const void *sin, int64_t
     return 0;
 }
 
+/* Rotary backward (training): grad_x = grad * cos + rotate^T(grad * sin), rotate^T(y) =
+   (y[half:], -y[:half]): the torch expression's gradient with its rounding (each product, then the
+   sum, in the dtype), so the same bits as autograd of that expression, in one pass. */
+static inline void rotary_backward_row(const void *grad, int bf16, int64_t go, const void *cos, const void *sin,
+                                       int64_t co, int64_t D, void *out) {
+    const int64_t half = D / 2;
+    if (bf16) {
+        const uint16_t *g = (const uint16_t *)grad + go, *c = (const uint16_t *)cos + co, *s = (const uint16_t *)sin + co;
+        uint16_t *o = (uint16_t *)out + go;
+        for (int64_t d = 0; d < half; d++)
+            o[d] = float_to_bf16(rounded_bf16(bf16_value(g[d]) * bf16_value(c[d])) +
+                                 rounded_bf16(bf16_value(g[d + half]) * bf16_value(s[d + half])));
+        for (int64_t d = half; d < D; d++)
+            o[d] = float_to_bf16(rounded_bf16(bf16_value(g[d]) * bf16_value(c[d])) +
+                                 -rounded_bf16(bf16_value(g[d - half]) * bf16_value(s[d - half])));
+    } else {
+        const float *g = (const float *)grad + go, *c = (const float *)cos + co, *s = (const float *)sin + co;
+        float *o = (float *)out + go;
+        for (int64_t d = 0; d < half; d++) o[d] = g[d] * c[d] + g[d + half] * s[d + half];
+        for (int64_t d = half; d < D; d++) o[d] = g[d] * c[d] + -(g[d - half] * s[d - half]);
+    }
+}
+
+int rz_rotary_backward(const void *grad, int bf16, const void *cos, const void *sin, int64_t T, int64_t H, int64_t D,
+                       void *out) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) rotary_backward_row(grad, bf16, (t * H + h) * D, cos, sin, t * D, D, out);
+    return 0;
+}
+
 /* ---------------------------------------------------------------------------------------------
    The engine's attention step in one call: for each token, RMSNorm and rotary of its query and key
    heads, its keys and values written to their cache slots, then the attention above, its output
