@@ -107,6 +107,30 @@ def test_failing_env_ends_the_episode_with_zero_reward(engine):
         assert "env.respond: ConnectionError: tool backend down" in ep.error
 
 
+class RewardThreadEnv(ArithmeticEnv):
+    """Records the thread each reward runs on; rewards of task 1 raise."""
+
+    def __init__(self, in_thread):
+        super().__init__(digits=1, seed=0)
+        self.reward_in_thread, self.threads = in_thread, set()
+
+    def reward(self, task, completion):
+        self.threads.add(threading.current_thread().name)
+        if task.index == 1:
+            raise ValueError("grader broke")
+        return 0.5
+
+
+@pytest.mark.parametrize("in_thread", [True, False])
+def test_a_cheap_reward_runs_on_the_loop_a_slow_one_in_a_thread(engine, in_thread):
+    env = RewardThreadEnv(in_thread)
+    episodes = run_episodes(engine, env, [env.task(i) for i in range(2)], SamplingParams(max_tokens=3, n=2, seed=1))
+    assert (env.threads == {"env-loop"}) is (not in_thread)  # AsyncLoop's thread, or pool threads
+    assert [ep.reward for ep in episodes] == [0.5, 0.5, 0.0, 0.0]
+    assert [ep.failed for ep in episodes] == [False, False, True, True]  # raising on the loop is caught too
+    assert all("env.reward: ValueError: grader broke" in ep.error for ep in episodes[2:])
+
+
 def test_conversation_that_outgrows_the_context_ends_cleanly(tiny_dense_dir):
     engine = Engine(tiny_dense_dir, dtype="bf16", max_model_len=48)
     env = ScriptedEnv(max_turns=10)

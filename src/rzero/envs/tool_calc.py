@@ -28,6 +28,8 @@ from rzero.model.tokenizer import IM_END, IM_START, TOOL_CALL_END, TOOL_CALL_STA
 
 
 class ToolCalcEnv(Env):
+    reward_in_thread = False  # an exact string match: called on the episodes' loop
+
     def __init__(
         self,
         digits: tuple[int, int] = (3, 3),

@@ -103,6 +103,7 @@ class EpisodeRunner:
         self.on_finished, self.wake, self.delay_s = on_finished, wake, delay_s
         self.max_turns = getattr(env, "max_turns", 1)
         self._reward_is_async = inspect.iscoroutinefunction(getattr(env, "reward", None))
+        self._reward_in_thread = getattr(env, "reward_in_thread", True)  # envs need not subclass Env
         # engine request id -> (episode, the task's sampling params with n = 1)
         self._live: dict[str, tuple[Episode, SamplingParams]] = {}
         self._ready: deque[tuple[Episode, SamplingParams]] = deque()  # episodes due for their next turn
@@ -215,6 +216,8 @@ class EpisodeRunner:
             if not episode.failed:
                 if self._reward_is_async:
                     episode.reward = float(await self.env.reward(episode.task, episode.text))
+                elif not self._reward_in_thread:
+                    episode.reward = float(self.env.reward(episode.task, episode.text))
                 else:
                     episode.reward = float(await asyncio.to_thread(self.env.reward, episode.task, episode.text))
         except GraderTimeout:
