@@ -248,34 +248,39 @@ class Engine:
             if prompt_rows:
                 sampler.score_prompt(self.numerics, prompt_positions, self.model.logits(hidden[prompt_rows]))
             every_row = len(logit_rows) == len(ids)  # each row is a sequence's last token (rows ascend)
+            copies: list[tuple[int, int]] = []  # (leader's block, follower's private block)
             for row, seq in zip(list(logit_rows), list(samplers)):
                 if seq.followers and len(seq) == seq.num_prompt_tokens:  # a group's prompt, just computed
-                    for follower in self._fork(seq):
+                    for follower in self._fork(seq, copies):
                         logit_rows.append(row)
                         samplers.append(follower)
+            if copies:
+                self._copy_partial_blocks(copies)
             if not samplers:
                 return []
             # A plain decode step samples from every row, in order: no gather.
             logits = self.model.logits(hidden if every_row and len(logit_rows) == len(ids) else hidden[logit_rows])
             return [self._append(*sampled) for sampled in sampler.sample(self.numerics, samplers, logits)]
 
-    def _fork(self, leader: Sequence) -> list[Sequence]:
-        """The leader's samples that start now from its computed prompt (Scheduler.fork), with the
-        K/V rows of its partial last prompt block copied into each one's private block."""
+    def _fork(self, leader: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:
+        """The leader's samples that start now from its computed prompt (Scheduler.fork). The K/V
+        rows of its partial last prompt block go to each one's private block: appended to
+        `copies` as (leader's block, private block), copied for all the step's groups at once."""
         forked = self.scheduler.fork(leader)
         leader.followers = []
-        rest = leader.num_prompt_tokens % ATTN_BLOCK
-        copies = [private for _, private in forked if private is not None]
-        if copies:
-            rows = torch.arange(rest)
-            source = (leader.block_table[leader.num_prompt_tokens // ATTN_BLOCK] * ATTN_BLOCK + rows).repeat(len(copies))
-            dest = (torch.tensor(copies)[:, None] * ATTN_BLOCK + rows).reshape(-1)
-            source, dest = source.to(self.device), dest.to(self.device)
-            for cache in self.kv_caches:
-                for part in cache:
-                    flat = part.view(-1, *part.shape[2:])
-                    flat.index_copy_(0, dest, flat.index_select(0, source))
+        if leader.num_prompt_tokens % ATTN_BLOCK:
+            last = leader.block_table[leader.num_prompt_tokens // ATTN_BLOCK]
+            copies.extend((last, private) for _, private in forked if private is not None)
         return [seq for seq, _ in forked]
+
+    def _copy_partial_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole cache blocks (source, destination) in every layer's K and V: a private block's
+        rows past the prompt are written by the follower's own tokens before anything reads them."""
+        source = torch.tensor([s for s, _ in copies], device=self.device)
+        dest = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            for part in cache:
+                part.index_copy_(0, dest, part.index_select(0, source))
 
     def _append(
         self, seq: Sequence, token: int, logprob: float, top_logprobs: list[tuple[int, float]] | None
