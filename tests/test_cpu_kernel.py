@@ -75,6 +75,32 @@ def test_bits_do_not_depend_on_the_thread_count():
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@needs_kernel
+def test_backward_bits_do_not_depend_on_the_thread_count_with_shared_prompt_blocks():
+    """GRPO groups share their prompt's cache blocks, so several sequences add into one dK/dV row:
+    the kernel then gives each thread whole KV heads, and every thread count adds in the order of
+    one thread (a split by sequence would race on the shared rows)."""
+    gen = torch.Generator().manual_seed(3)
+    meta = AttentionMeta.for_shared_prompts([(21, [5, 9, 1]), (6, [4, 4])], row_tile=INVARIANT.row_tile)
+    heads, kv_heads, head_dim = 4, 2, 32
+    q = torch.randn(meta.padded_tokens, heads, head_dim, generator=gen)
+    k_cache = torch.randn(meta.num_blocks, 16, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(meta.num_blocks, 16, kv_heads, head_dim, generator=gen)
+    grad = torch.randn(meta.padded_tokens, heads, head_dim, generator=gen)
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(cpu_kernel.attention_backward(q, k_cache, v_cache, meta, head_dim**-0.5, grad))
+    finally:
+        torch.set_num_threads(saved)
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], got))
+    dq, dk, dv = results[0]
+    assert dk[0].abs().sum() > 0 and dv[0].abs().sum() > 0  # the shared prompt block got gradients
+
+
 def reference(q, k, v, lengths, group):
     """Causal softmax attention per sequence, in the inputs' dtype (fp64 here), autograd-able."""
     outs, start = [], 0
@@ -144,6 +170,30 @@ def test_rms_norm_bits_do_not_depend_on_the_instruction_set_or_the_layout(dtype,
     expected = weight.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6))
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(native.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_splits_big_calls_over_threads_without_changing_a_bit(dtype):
+    """A call of many rows runs on several threads (rows are independent): the forward and the
+    input gradient have the one-thread bits; the weight gradient adds the threads' sums in order,
+    equal to the one-thread sum up to rounding."""
+    gen = torch.Generator().manual_seed(5)
+    fused = (torch.randn(853, 3 * 64, generator=gen) * 3).to(dtype)
+    x = fused[:, 64:].view(853, 2, 64)  # strided rows, 109k elements: above the split threshold
+    weight = (1 + torch.randn(64, generator=gen) * 0.1).to(dtype)
+    grad = torch.randn(853, 2, 64, generator=gen)
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((cpu_kernel.rms_norm(x, weight, 1e-6), *cpu_kernel.rms_norm_backward(x, weight, 1e-6, grad, True, True)))
+    finally:
+        torch.set_num_threads(saved)
+    for out, grad_x, grad_w in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(grad_x, results[0][1])
+        torch.testing.assert_close(grad_w.float(), results[0][2].float(), rtol=1e-4, atol=1e-3)
 
 
 @needs_kernel

@@ -102,11 +102,13 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
                                  i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rz_attention.restype = ctypes.c_int
     lib.rz_attention_backward.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64,
-                                          ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+                                          ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int,
+                                          ctypes.c_int]
     lib.rz_attention_backward.restype = ctypes.c_int
-    lib.rz_rms_norm.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.rz_rms_norm.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.rz_rms_norm.restype = ctypes.c_int
-    lib.rz_rms_norm_backward.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr]
+    lib.rz_rms_norm_backward.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr,
+                                         ctypes.c_int]
     lib.rz_rms_norm_backward.restype = ctypes.c_int
     lib.rz_rotary.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
     lib.rz_rotary.restype = ctypes.c_int
@@ -250,9 +252,9 @@ def attention_backward(
     tables = meta.block_tables.contiguous()
     seq, pos = _token_index(meta)
     starts = torch.tensor([0, *meta.q_lens], dtype=torch.int64).cumsum(0)
-    # Threads split the work by (sequence, KV head) and each writes its sequence's dK/dV rows;
-    # that is race-free only if no two sequences share a cache block (the trainer's private
-    # cache never does; a prefix-sharing engine cache might).
+    # Threads split the work by (KV head, sequence) and each writes its sequence's dK/dV rows;
+    # where sequences share cache blocks (a GRPO group's prompt) the kernel gives each thread
+    # whole KV heads instead, so that no two threads add into one row.
     used = [t[: -(-n // k_cache.shape[1])] for t, n in zip(tables.tolist(), meta.kv_lens.tolist())]
     distinct = len({b for t in used for b in t}) == sum(len(t) for t in used)
     dq = torch.zeros(q.shape[0], *q.shape[1:], dtype=torch.float32)
@@ -262,7 +264,7 @@ def attention_backward(
         q.data_ptr(), q.dtype == torch.bfloat16, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
         tables.data_ptr(), tables.shape[1], seq.data_ptr(), pos.data_ptr(), starts.data_ptr(), len(meta.q_lens),
         grad.data_ptr(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
-        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads() if distinct else 1,
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads(), not distinct,
     ))
     return dq, dk, dv
 
@@ -292,7 +294,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL
     rows, layout = _row_layout(x)
     weight = weight.contiguous()
     _check(lib.rz_rms_norm(rows.data_ptr(), x.dtype == torch.bfloat16, *layout, x.shape[-1], weight.data_ptr(), eps,
-                           out.data_ptr()))
+                           out.data_ptr(), torch.get_num_threads()))
     return out
 
 
@@ -309,6 +311,7 @@ def rms_norm_backward(
     _check(library().rz_rms_norm_backward(
         rows.data_ptr(), x.dtype == torch.bfloat16, *layout, x.shape[-1], weight.data_ptr(), eps, grad.data_ptr(),
         None if grad_x is None else grad_x.data_ptr(), None if grad_w is None else grad_w.data_ptr(),
+        torch.get_num_threads(),
     ))
     return (None if grad_x is None else grad_x.to(x.dtype)), (None if grad_w is None else grad_w.to(weight.dtype))
 

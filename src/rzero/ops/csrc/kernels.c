@@ -428,7 +428,8 @@ typedef struct {
     int64_t table_stride, H, Hkv, D, block;
     float scale;
     float *dq, *dk, *dv; /* dq (tokens, H, D); dk, dv like the caches, fp32, zeroed by the caller */
-    int64_t first, last; /* units [first, last): unit = sequence * Hkv + kv_head */
+    int64_t num_seqs;
+    int64_t first, last; /* units [first, last): unit = kv_head * num_seqs + sequence */
     int status;
 } BackwardJob;
 
@@ -438,7 +439,7 @@ static void *run_backward(void *arg) {
     const int64_t Dp = (D + LANES - 1) / LANES * LANES;
     int64_t longest = 1;
     for (int64_t unit = job->first; unit < job->last; unit++) {
-        const int64_t b = unit / Hkv;
+        const int64_t b = unit % job->num_seqs;
         for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++)
             if (job->token_pos[t] + 1 > longest) longest = job->token_pos[t] + 1;
     }
@@ -456,7 +457,7 @@ static void *run_backward(void *arg) {
         goto done;
     }
     for (int64_t unit = job->first; unit < job->last; unit++) {
-        const int64_t b = unit / Hkv, h = unit % Hkv;
+        const int64_t b = unit % job->num_seqs, h = unit / job->num_seqs;
         for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++) {
             const int64_t n = job->token_pos[t] + 1;
             const int64_t *table = job->block_tables + job->token_seq[t] * job->table_stride;
@@ -543,16 +544,21 @@ int rz_attention_backward(const void *q, int q_bf16, const void *k_cache, const 
                           const int64_t *block_tables, int64_t table_stride, const int64_t *token_seq,
                           const int64_t *token_pos, const int64_t *seq_starts, int64_t num_seqs,
                           const float *grad, int64_t H, int64_t Hkv, int64_t D, int64_t block, float scale,
-                          float *dq, float *dk, float *dv, int threads) {
+                          float *dq, float *dk, float *dv, int threads, int shared) {
     const int64_t units = num_seqs * Hkv;
+    if (units == 0) return 0;
     if (threads < 1) threads = 1;
-    if (threads > units) threads = units > 0 ? (int)units : 1;
+    /* Sequences that share cache blocks add into the same dK/dV rows: then each thread takes whole
+       KV heads (a head's rows are its own), so a row's additions come in sequence order on one
+       thread, the order of a one-thread run: the same bits for every thread count. */
+    const int64_t parts = shared ? Hkv : units;
+    if (threads > parts) threads = parts > 0 ? (int)parts : 1;
     if (threads > 64) threads = 64;
     BackwardJob jobs[64];
     for (int i = 0; i < threads; i++) {
         jobs[i] = (BackwardJob){q, k_cache, v_cache, q_bf16, kv_bf16, block_tables, token_seq, token_pos, seq_starts,
-                                grad, table_stride, H, Hkv, D, block, scale, dq, dk, dv,
-                                units * i / threads, units * (i + 1) / threads, 0};
+                                grad, table_stride, H, Hkv, D, block, scale, dq, dk, dv, num_seqs,
+                                units / parts * (parts * i / threads), units / parts * (parts * (i + 1) / threads), 0};
     }
     int status = run_parallel(run_backward, jobs, sizeof(BackwardJob), threads);
     for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
@@ -581,23 +587,96 @@ static inline void rms_norm_row(const void *x, int bf16, int64_t offset, int64_t
     }
 }
 
-int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t stride_outer, int64_t stride_inner,
-                int64_t N, const void *weight, float eps, void *out) {
-    const int64_t Np = (N + LANES - 1) / LANES * LANES;
+/* The rows of one RMSNorm call that one thread takes: [first, last) of outer * inner, row r at
+   outer index r / inner and inner index r % inner. Rows are independent in the forward, so any
+   split gives each row the same bits; the backward's weight gradient sums per thread, then the
+   threads' sums in thread order (its bits follow the thread count, as the GEMMs' do). */
+typedef struct {
+    const void *x;
+    int bf16;
+    int64_t inner, stride_outer, stride_inner, N;
+    const void *weight;
+    float eps;
+    void *out;                  /* forward */
+    const float *grad;          /* backward */
+    float *grad_x, *grad_w;     /* backward: grad_w this thread's own sum, or NULL */
+    int64_t first, last;
+    int status;
+} NormJob;
+
+/* From this many elements per thread on, a call splits its rows over the threads (below it the
+   threads' start costs more than the rows: an engine step's 64 rows stay on one). */
+#define NORM_ELEMENTS_PER_THREAD 16384
+
+static int norm_threads(int64_t rows, int64_t N, int threads) {
+    const int64_t most = rows * N / NORM_ELEMENTS_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    return threads > 64 ? 64 : threads;
+}
+
+static void *run_norm(void *arg) {
+    NormJob *job = (NormJob *)arg;
+    const int64_t N = job->N, Np = (N + LANES - 1) / LANES * LANES;
     float *row = calloc((size_t)Np, sizeof(float));
     float *w = malloc(sizeof(float) * (size_t)N);
     if (!row || !w) {
-        free(row);
-        free(w);
-        return 1;
+        job->status = 1;
+    } else {
+        load_row(job->weight, job->bf16, 0, N, w);
+        for (int64_t r = job->first; r < job->last; r++)
+            rms_norm_row(job->x, job->bf16, r / job->inner * job->stride_outer + r % job->inner * job->stride_inner, N, Np,
+                         w, job->eps, row, job->out, r * N);
     }
-    load_row(weight, bf16, 0, N, w);
-    for (int64_t o = 0; o < outer; o++)
-        for (int64_t i = 0; i < inner; i++)
-            rms_norm_row(x, bf16, o * stride_outer + i * stride_inner, N, Np, w, eps, row, out, (o * inner + i) * N);
     free(row);
     free(w);
-    return 0;
+    return NULL;
+}
+
+int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t stride_outer, int64_t stride_inner,
+                int64_t N, const void *weight, float eps, void *out, int threads) {
+    const int64_t rows = outer * inner;
+    threads = norm_threads(rows, N, threads);
+    NormJob jobs[64];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (NormJob){x, bf16, inner, stride_outer, stride_inner, N, weight, eps, out, NULL, NULL, NULL,
+                            rows * i / threads, rows * (i + 1) / threads, 0};
+    int status = run_parallel(run_norm, jobs, sizeof(NormJob), threads);
+    for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
+    return status;
+}
+
+static void *run_norm_backward(void *arg) {
+    NormJob *job = (NormJob *)arg;
+    const int64_t N = job->N, Np = (N + LANES - 1) / LANES * LANES;
+    float *row = calloc((size_t)Np, sizeof(float));
+    float *w = malloc(sizeof(float) * (size_t)N);
+    float *gw = calloc((size_t)Np, sizeof(float)); /* g * w, zero past N like row */
+    if (!row || !w || !gw) {
+        job->status = 1;
+        goto done;
+    }
+    load_row(job->weight, job->bf16, 0, N, w);
+    for (int64_t r = job->first; r < job->last; r++) {
+        load_row(job->x, job->bf16, r / job->inner * job->stride_outer + r % job->inner * job->stride_inner, N, row);
+        const float rinv = 1.0f / sqrtf(dot(row, row, Np) / (float)N + job->eps);
+        const float *restrict g = job->grad + r * N;
+        for (int64_t d = 0; d < N; d++) row[d] *= rinv; /* normed */
+        if (job->grad_w)
+            for (int64_t d = 0; d < N; d++) job->grad_w[d] += g[d] * row[d];
+        if (job->grad_x) {
+            /* In 16 lanes (`dot`), not one sequential chain: a chain of N dependent additions
+               made this backward ~100 us per call on the tiny model's rows. */
+            for (int64_t d = 0; d < N; d++) gw[d] = g[d] * w[d];
+            const float projection = dot(gw, row, Np) / (float)N;
+            float *restrict gx = job->grad_x + r * N;
+            for (int64_t d = 0; d < N; d++) gx[d] = rinv * (gw[d] - row[d] * projection);
+        }
+    }
+done:
+    free(row);
+    free(w);
+    free(gw);
+    return NULL;
 }
 
 /* RMSNorm backward (training only: the right gradients, no invariance needed). grad rows are
@@ -605,40 +684,24 @@ int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t s
    are summed into it in order) are written only when wanted. */
 int rz_rms_norm_backward(const void *x, int bf16, int64_t outer, int64_t inner, int64_t stride_outer,
                          int64_t stride_inner, int64_t N, const void *weight, float eps, const float *grad,
-                         float *grad_x, float *grad_w) {
-    const int64_t Np = (N + LANES - 1) / LANES * LANES;
-    float *row = calloc((size_t)Np, sizeof(float));
-    float *w = malloc(sizeof(float) * (size_t)N);
-    float *gw = calloc((size_t)Np, sizeof(float)); /* g * w, zero past N like row */
-    if (!row || !w || !gw) {
-        free(row);
-        free(w);
-        free(gw);
-        return 1;
+                         float *grad_x, float *grad_w, int threads) {
+    const int64_t rows = outer * inner;
+    threads = norm_threads(rows, N, threads);
+    /* One thread sums into grad_w itself; several into their own zeroed sums, added in order after. */
+    float *sums = grad_w && threads > 1 ? calloc((size_t)(threads * N), sizeof(float)) : NULL;
+    if (grad_w && threads > 1 && !sums) return 1;
+    NormJob jobs[64];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (NormJob){x, bf16, inner, stride_outer, stride_inner, N, weight, eps, NULL, grad, grad_x,
+                            sums ? sums + i * N : grad_w, rows * i / threads, rows * (i + 1) / threads, 0};
+    int status = run_parallel(run_norm_backward, jobs, sizeof(NormJob), threads);
+    for (int i = 0; i < threads && status == 0; i++) status = jobs[i].status;
+    if (sums) {
+        for (int i = 0; i < threads; i++)
+            for (int64_t d = 0; d < N; d++) grad_w[d] += sums[i * N + d];
+        free(sums);
     }
-    load_row(weight, bf16, 0, N, w);
-    for (int64_t o = 0; o < outer; o++) {
-        for (int64_t i = 0; i < inner; i++) {
-            load_row(x, bf16, o * stride_outer + i * stride_inner, N, row);
-            const float r = 1.0f / sqrtf(dot(row, row, Np) / (float)N + eps);
-            const float *restrict g = grad + (o * inner + i) * N;
-            for (int64_t d = 0; d < N; d++) row[d] *= r; /* normed */
-            if (grad_w)
-                for (int64_t d = 0; d < N; d++) grad_w[d] += g[d] * row[d];
-            if (grad_x) {
-                /* In 16 lanes (`dot`), not one sequential chain: a chain of N dependent additions
-                   made this backward ~100 us per call on the tiny model's rows. */
-                for (int64_t d = 0; d < N; d++) gw[d] = g[d] * w[d];
-                const float projection = dot(gw, row, Np) / (float)N;
-                float *restrict gx = grad_x + (o * inner + i) * N;
-                for (int64_t d = 0; d < N; d++) gx[d] = r * (gw[d] - row[d] * projection);
-            }
-        }
-    }
-    free(row);
-    free(w);
-    free(gw);
-    return 0;
+    return status;
 }
 
 /* ---------------------------------------------------------------------------------------------
