@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from rzero.rollout.record import Rollout
 from rzero.run.loop import replay_run, train
 from rzero.run.record import ReplayDiverged, RolloutRecord, compare_runs
 from test_train import EvenLengthEnv, metrics, small_config
@@ -134,6 +135,27 @@ def test_record_keeps_everything_but_a_torn_last_line(tmp_path, invariant_run):
     (run / "rollouts.jsonl").write_text('{"step": 0, "gro\n' + text)
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         RolloutRecord(run).read()
+
+
+def test_record_writes_in_the_background_and_a_failed_write_is_raised(tmp_path, invariant_run):
+    """Steps are encoded and written on the record's own thread: flush waits for them, and a write
+    that failed raises from the next append or flush instead of vanishing."""
+    entries = RolloutRecord(invariant_run).read()
+    groups = [[Rollout.from_dict(r) for r in g] for g in entries[0]["rollouts"]]
+    record = RolloutRecord(tmp_path)
+    for step in range(3):
+        record.append(step, entries[0]["groups"], groups, {"s": step})
+    record.flush()
+    assert [e["stats"] for e in RolloutRecord(tmp_path).read().values()] == [{"s": 0}, {"s": 1}, {"s": 2}]
+    record.close()
+    (tmp_path / "rollouts.jsonl").unlink()
+    (tmp_path / "rollouts.jsonl").mkdir()  # appending to it now fails
+    record.append(3, entries[0]["groups"], groups, {})
+    with pytest.raises(IsADirectoryError):
+        record.flush()
+    with pytest.raises(IsADirectoryError):
+        record.append(4, entries[0]["groups"], groups, {})
+    record.close(raise_error=False)
 
 
 def test_replay_refuses_what_it_cannot_reexecute(tmp_path, invariant_run):

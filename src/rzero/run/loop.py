@@ -20,6 +20,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -251,6 +252,7 @@ def _train(
             if bar is not None:
                 bar.update(m)
             if (step + 1) % config.run.checkpoint_every == 0 or step + 1 == t.steps:
+                record.flush()  # the record holds every step the checkpoint has trained
                 try:
                     save_checkpoint(run_dir, step + 1, trainer, backend, tokenizer_files)
                 except OSError as err:
@@ -260,6 +262,7 @@ def _train(
                     stopped_because = f"{what} while writing checkpoint step {step + 1} ({err}); {kept}"
                     break
     finally:
+        record.close(raise_error=sys.exc_info()[0] is None)
         backend.stop()
         ranks.close(trainer)
         resources.close()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import queue
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -38,14 +40,23 @@ class ReplayDiverged(RuntimeError):
 
 
 class RolloutRecord:
-    """rollouts.jsonl of one run directory: read whole, appended one step at a time."""
+    """rollouts.jsonl of one run directory: read whole, appended one step at a time.
+
+    A step's entry is encoded and written on a thread of its own (~3 ms a step for 64 rollouts,
+    which the run loop then spends waiting for the next rollouts instead); `flush` waits for the
+    writes (the run loop flushes before every checkpoint and at its end), and a failed write
+    raises from the next `append` or `flush`."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / RECORD_FILE
         self.next_step = 0  # steps below it are in the file already (see keep_below)
+        self._entries: queue.Queue[dict | None] = queue.Queue()  # None: the writer ends
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def read(self) -> dict[int, dict]:
         """step -> entry. A torn last line (the process died while writing it) is dropped."""
+        self.flush()
         if not self.path.is_file():
             return {}
         entries: dict[int, dict] = {}
@@ -62,7 +73,7 @@ class RolloutRecord:
 
     def keep_below(self, step: int) -> None:
         """Drop the entries of steps >= `step` (they will be trained anew), atomically."""
-        entries = self.read()
+        entries = self.read()  # flushes first
         self.next_step = step
         if all(s < step for s in entries) and self._intact():
             return  # nothing to drop: no rewrite of a long record
@@ -82,12 +93,52 @@ class RolloutRecord:
     def append(self, step: int, groups: list[int], rollouts: list[list[Rollout]], stats: dict) -> None:
         """Record a step trained from live workers (or replayed into a new run directory); steps
         already in the file (replayed on resume) are not written twice."""
+        self._raise_error()
         if step < self.next_step:
             return
         self.next_step = step + 1
+        # to_dict shares the rollouts' lists, which nothing changes once a step has them.
         entry = {"step": step, "groups": groups, "rollouts": [[r.to_dict() for r in g] for g in rollouts], "stats": stats}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_entries, name="rollout-record", daemon=True)
+            self._writer.start()
+        self._entries.put(entry)
+
+    def flush(self) -> None:
+        """Return once every appended step is in the file; raise if a write failed."""
+        if self._writer is not None:
+            self._entries.join()
+        self._raise_error()
+
+    def close(self, raise_error: bool = True) -> None:
+        """Flush, and end the writer thread (a later append starts another). `raise_error=False`:
+        a run that is failing already keeps its own error."""
+        if self._writer is not None:
+            self._entries.put(None)
+            self._writer.join()
+            self._writer = None
+        if raise_error:
+            self._raise_error()
+
+    def _write_entries(self) -> None:
+        while True:
+            entry = self._entries.get()
+            if entry is None:
+                self._entries.task_done()
+                return
+            try:
+                if self._error is None:  # after a failure nothing more is written: the file ends at the last good step
+                    line = json.dumps(entry) + "\n"
+                    with open(self.path, "a") as f:
+                        f.write(line)
+            except BaseException as err:  # noqa: BLE001 (raised on the run loop's thread)
+                self._error = err
+            finally:
+                self._entries.task_done()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 class ReplaySource:
