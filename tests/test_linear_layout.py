@@ -327,3 +327,20 @@ def test_the_bf16_gemm_rule_can_be_forced_and_refuses_a_misspelt_one(monkeypatch
     monkeypatch.delenv("RZERO_BF16_GEMM")
     invariant.bf16_gemm.cache_clear()
     assert invariant.bf16_gemm() in invariant.BF16_GEMMS
+
+
+def test_the_kept_one_mm_decision_follows_the_bf16_route(monkeypatch):
+    """A decode-size linear keeps its one-mm decision per shape; the decision is keyed by the bf16
+    route too, so a route switched afterwards (RZERO_BF16_GEMM, these tests) is not bypassed."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=gen).bfloat16()
+    weight = torch.randn(256, 128, generator=gen).bfloat16()
+    invariant._linear_forward(x, weight, may_prepack=True)  # decided (and kept) on the bf16 GEMM
+    widened = []
+    real = weight_copies.widened
+    monkeypatch.setattr(weight_copies, "widened", lambda w, may_cache: widened.append(w) or real(w, may_cache))
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: "fp32")
+    out = invariant._linear_forward(x, weight, may_prepack=True)
+    assert widened  # the fp32 route ran
+    invariant._ONE_MM.clear()
+    assert torch.equal(out, invariant._linear_forward(x, weight, may_prepack=True))

@@ -129,11 +129,12 @@ def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numeri
     weight when no gradient is wanted, else on the weights joined for this pass (in training,
     autograd hands each weight its rows of the gradient)."""
     packed_weights = owner.__dict__.get("packed")
-    if packed_weights is not None and not torch.is_grad_enabled() and packed_weights.usable(linears):
+    usable = packed_weights is not None and packed_weights.usable(linears)
+    if usable and not torch.is_grad_enabled():  # the engine's path, with the sizes kept
         return list(nx.linear(x, packed_weights.weight).split(packed_weights.sizes, dim=-1))
     weights = [lin.weight for lin in linears]
     grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-    fused = packed_weights.weight if packed_weights is not None and packed_weights.usable(linears) and not grad else joined(weights)
+    fused = packed_weights.weight if usable and not grad else joined(weights)
     return list(nx.linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
 
 
@@ -284,8 +285,8 @@ class Qwen3ForCausalLM(nn.Module):
             )
         # Pad the token rows once, up front, to the numerics' row tile (see rzero.ops).
         ids = nn.functional.pad(input_ids, (0, meta.padded_tokens - meta.num_tokens))
-        cos_table, sin_table = self.rotary_tables()
-        cos, sin = cos_table[meta.positions].unsqueeze(1), sin_table[meta.positions].unsqueeze(1)
+        cos = self.rope_cos[meta.positions].to(self.dtype).unsqueeze(1)
+        sin = self.rope_sin[meta.positions].to(self.dtype).unsqueeze(1)
         h = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             cache = None if kv_caches is None else kv_caches[i]
@@ -294,18 +295,6 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 h = layer(h, cos, sin, meta, cache, nx)
         return self.model.norm(h, nx)[: meta.num_tokens]
-
-    def rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """rope_cos and rope_sin in the model's dtype: the rounding of each value that a cast of
-        the rows a pass gathers gives (a cast is elementwise), done once per dtype and device
-        instead of twice a forward pass."""
-        key = (self.rope_cos.device, self.dtype)
-        kept = self.__dict__.get("_rotary_tables")
-        if kept is None or kept[0] != key:
-            with torch.inference_mode(False), torch.no_grad():  # one copy for engine and trainer alike
-                kept = (key, (self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)))
-            self.__dict__["_rotary_tables"] = kept
-        return kept[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits in fp32 for the given rows of hidden states."""

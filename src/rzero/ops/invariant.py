@@ -86,6 +86,12 @@ PANEL_COLUMNS = 512
 PANEL_ROWS = 128
 
 
+# (rows, weight shape, strides, dtype, may_prepack, threads, bf16 route) -> whether one mm holds them.
+# Derived from the probes' results: big_tiles and prepack_proven empty it whenever they probe anew
+# (a new shape, or their caches cleared).
+_ONE_MM: dict[tuple, bool] = {}
+
+
 def _fp32_route(weight: torch.Tensor) -> bool:
     """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of the machine, the same
     for the engine and the trainer)."""
@@ -193,6 +199,7 @@ def big_tiles(K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int)
     speed instead of paying a weight repack per 16 rows. The proof is a grouping probe: inputs
     whose every fp32 sum changes if the K terms are grouped differently. A size is kept only if
     all its rows (every position in the tile) match the ROW_TILE tiles bit for bit."""
+    _ONE_MM.clear()
     x, weight = grouping_probe(max(BIG_TILES), K, N, seed=K * 7919 + N)
     x, weight = x.to(dtype), weight.to(dtype)
     wt = weight.t().contiguous() if row_major else weight.t()
@@ -214,6 +221,7 @@ def _onednn_tile(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def prepack_proven(K: int, N: int, threads: int) -> bool:
     """Whether oneDNN's prepacked bf16 linear gives a (K, N) weight's 16-row tiles exactly the mm
     tiles' bits on this many threads (the grouping probe of `big_tiles`, run once per shape)."""
+    _ONE_MM.clear()
     if not torch.backends.mkldnn.is_available():
         return False
     x, weight = grouping_probe(4 * ROW_TILE, K, N, seed=K * 7907 + N)
@@ -296,7 +304,7 @@ def _linear_forward(
     rows = x2.shape[0]
     if operands is None and rows % ROW_TILE == 0 and x2.dtype == weight.dtype and x2.is_contiguous():
         # The decode steps ask the same question every step: whether one plain mm holds every row.
-        key = (rows, weight.shape, weight.stride(), weight.dtype, may_prepack, torch.get_num_threads())
+        key = (rows, weight.shape, weight.stride(), weight.dtype, may_prepack, torch.get_num_threads(), bf16_gemm())
         whole = _ONE_MM.get(key)
         if whole is None:
             whole = _ONE_MM[key] = _one_mm_holds(rows, weight, may_prepack)
@@ -344,9 +352,6 @@ def _linear_forward(
         operands.extend((x2 if not fp32_route else xp if xp.shape[0] == rows else xp[:rows], gemm_weight))
     result = out[:rows].reshape(*x.shape[:-1], weight.shape[0])
     return result.to(torch.bfloat16) if fp32_route else result
-
-
-_ONE_MM: dict[tuple, bool] = {}  # (rows, weight shape, strides, dtype, may_prepack, threads) -> one mm?
 
 
 def _one_mm_holds(rows: int, weight: torch.Tensor, may_prepack: bool) -> bool:
