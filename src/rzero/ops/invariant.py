@@ -86,9 +86,8 @@ PANEL_COLUMNS = 512
 PANEL_ROWS = 128
 
 
-# (rows, weight shape, strides, dtype, may_prepack, threads, bf16 route) -> whether one mm holds them.
-# Derived from the probes' results: big_tiles and prepack_proven empty it whenever they probe anew
-# (a new shape, or their caches cleared).
+# (rows, weight shape, strides, dtype, may_prepack, threads, bf16 route) -> one mm holds them? From
+# the probes' results: big_tiles and prepack_proven empty it when they probe anew (caches cleared).
 _ONE_MM: dict[tuple, bool] = {}
 
 
