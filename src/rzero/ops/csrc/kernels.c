@@ -680,8 +680,8 @@ done:
 }
 
 /* RMSNorm backward (training only: the right gradients, no invariance needed). grad rows are
-   contiguous fp32; grad_x (fp32, contiguous) and grad_w (fp32, N, zeroed by the caller: the rows
-   are summed into it in order) are written only when wanted. */
+   contiguous fp32; grad_x (fp32, contiguous) and grad_w (fp32, N, zeroed by the caller: each
+   thread's rows summed in order, then the threads' sums in order) are written only when wanted. */
 int rz_rms_norm_backward(const void *x, int bf16, int64_t outer, int64_t inner, int64_t stride_outer,
                          int64_t stride_inner, int64_t N, const void *weight, float eps, const float *grad,
                          float *grad_x, float *grad_w, int threads) {
