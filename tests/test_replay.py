@@ -158,6 +158,17 @@ def test_record_writes_in_the_background_and_a_failed_write_is_raised(tmp_path, 
     record.close(raise_error=False)
 
 
+def test_a_run_whose_record_cannot_be_written_stops_with_that_error(tmp_path):
+    """The record is written in the background: a failed write still ends the run with its own
+    error (raised at the next step, checkpoint or the run's end, after the run's cleanup)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "rollouts.jsonl").mkdir(parents=True)  # every append to it fails
+    config = small_config(tmp_path, "rollout.max_lag=0", "train.steps=3", "run.checkpoint_every=100")
+    with pytest.raises(IsADirectoryError):
+        train(config, run_dir, env=EvenLengthEnv(), **QUIET)
+    assert metrics(run_dir)  # the steps before it were logged
+
+
 def test_replay_refuses_what_it_cannot_reexecute(tmp_path, invariant_run):
     with pytest.raises(FileNotFoundError, match="not a run directory"):
         replay_run(tmp_path / "nothing", tmp_path / "out", **QUIET)

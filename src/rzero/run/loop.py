@@ -262,13 +262,16 @@ def _train(
                     stopped_because = f"{what} while writing checkpoint step {step + 1} ({err}); {kept}"
                     break
     finally:
-        record.close(raise_error=sys.exc_info()[0] is None)
-        backend.stop()
-        ranks.close(trainer)
-        resources.close()
-        metrics_log.close()
-        if bar is not None:
-            bar.close()
+        failing = sys.exc_info()[0] is not None
+        try:
+            backend.stop()
+            ranks.close(trainer)
+            resources.close()
+            metrics_log.close()
+            if bar is not None:
+                bar.close()
+        finally:  # last, and always: a failed record write must not skip the cleanup above
+            record.close(raise_error=not failing and sys.exc_info()[0] is None)
     if stopped_because:
         raise RuntimeError(stopped_because)
     return run_dir
