@@ -22,14 +22,13 @@ def sample_generator(request_seed: int, index: int) -> torch.Generator:
 
 def sample(numerics: Numerics, seqs: list[Sequence], logits: torch.Tensor) -> list[Sampled]:
     transform = seqs[0].transform
-    # The usual case, one transform for the whole batch (the requests share one SamplingParams, so
-    # one transform object: an identity test, not a dataclass hash per row): no gathers or scatters.
-    same = all(seq.transform is transform for seq in seqs)
     groups: dict = {}
-    if not same:
+    # One transform object for the whole batch (Sequence shares one per distinct transform) is told
+    # by identity, not a dataclass hash per row; then, or with one group, no gathers or scatters.
+    if not all(seq.transform is transform for seq in seqs):
         for row, seq in enumerate(seqs):
             groups.setdefault(seq.transform, []).append(row)
-    if same or len(groups) == 1:
+    if len(groups) <= 1:
         lp = numerics.transformed_logprobs(logits, transform)
         chosen = numerics.sample_tokens(lp, [transform.temperature == 0] * len(seqs), [s.uniforms for s in seqs])
         return list(zip(seqs, chosen.tolist(), lp.gather(1, chosen[:, None])[:, 0].tolist(), top_logprobs(seqs, lp)))
