@@ -211,13 +211,21 @@ static inline float max_of(const float *restrict s, int64_t n) {
 #if defined(__AVX512F__)
 /* out_a, out_b = sum over j < n in position order of e_a[j] * V_j and e_b[j] * V_j (fused
    multiply-adds from zero): axpy_row's arithmetic, element for element, for two query heads at
-   once, with the sums held in registers (`chunks` = Dp / 16, a constant after inlining). */
+   once, with the sums held in registers (`chunks` = Dp / 16, a constant after inlining). If
+   total_a is not NULL, also *total_a, *total_b = the sums of e_a and e_b in position order from
+   zero (the softmax sums: chains of additions that run free beside the multiply-adds' chains). */
 static inline __attribute__((always_inline)) void weighted_sum_pair(
     int chunks, const float *restrict e_a, const float *restrict e_b, const void *v_cache, int bf16,
-    const int64_t *restrict offsets, int64_t n, float *out_a, float *out_b) { /* out_a == out_b for an odd last head */
+    const int64_t *restrict offsets, int64_t n, float *out_a, float *out_b, float *total_a, float *total_b) {
+    /* out_a == out_b (and total_a == total_b) for an odd last head */
     __m512 a[8], b[8];
+    float sum_a = 0.0f, sum_b = 0.0f;
     for (int c = 0; c < chunks; c++) a[c] = b[c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (total_a) {
+            sum_a += e_a[j];
+            sum_b += e_b[j];
+        }
         if (j + PREFETCH_AHEAD < n) prefetch_row(v_cache, bf16, offsets[j + PREFETCH_AHEAD], 16 * chunks);
         const __m512 wa = _mm512_set1_ps(e_a[j]), wb = _mm512_set1_ps(e_b[j]);
         for (int c = 0; c < chunks; c++) {
@@ -232,22 +240,29 @@ static inline __attribute__((always_inline)) void weighted_sum_pair(
         _mm512_storeu_ps(out_a + 16 * c, a[c]);
         _mm512_storeu_ps(out_b + 16 * c, b[c]);
     }
+    if (total_a) {
+        *total_a = sum_a;
+        *total_b = sum_b;
+    }
 }
 
 /* weighted_sum_pair for head dims of 32, 64 and 128 read in place; 0 if it does not apply. */
 static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b, const void *v_cache, int bf16,
-                                  const int64_t *offsets, int64_t n, float *out_a, float *out_b) {
+                                  const int64_t *offsets, int64_t n, float *out_a, float *out_b, float *total_a,
+                                  float *total_b) {
     switch (D) {
-    case 32: weighted_sum_pair(2, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b); return 1;
-    case 64: weighted_sum_pair(4, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b); return 1;
-    case 128: weighted_sum_pair(8, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b); return 1;
+    case 32: weighted_sum_pair(2, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b, total_a, total_b); return 1;
+    case 64: weighted_sum_pair(4, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b, total_a, total_b); return 1;
+    case 128: weighted_sum_pair(8, e_a, e_b, v_cache, bf16, offsets, n, out_a, out_b, total_a, total_b); return 1;
     default: return 0;
     }
 }
 #else
 static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b, const void *v_cache, int bf16,
-                                  const int64_t *offsets, int64_t n, float *out_a, float *out_b) {
+                                  const int64_t *offsets, int64_t n, float *out_a, float *out_b, float *total_a,
+                                  float *total_b) {
     (void)D, (void)e_a, (void)e_b, (void)v_cache, (void)bf16, (void)offsets, (void)n, (void)out_a, (void)out_b;
+    (void)total_a, (void)total_b;
     return 0;
 }
 #endif
@@ -340,25 +355,25 @@ static void *run_job(void *arg) {
             const float top = max_of(s, n);
             for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
         }
-        /* Softmax sums in position order (never reassociated), two heads at a time so that two
-           independent chains of additions overlap. */
-        for (int64_t g = 0; g < G; g += 2) {
-            const float *sa = scores + g * n, *sb = scores + (g + 1 < G ? g + 1 : g) * n;
-            float sum_a = 0.0f, sum_b = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                sum_a += sa[j];
-                sum_b += sb[j];
-            }
-            sums[g] = sum_a;
-            if (g + 1 < G) sums[g + 1] = sum_b;
-        }
+        /* The weighted sums of V and the softmax sums (in position order, never reassociated) in
+           one pass, two heads at a time. */
         int in_registers = 1;
         for (int64_t g = 0; g < G && in_registers; g += 2) {
             const int64_t g2 = g + 1 < G ? g + 1 : g; /* an odd last head is computed twice */
             in_registers = weighted_sum_registers(D, scores + g * n, scores + g2 * n, job->v_cache, job->kv_bf16,
-                                                  offsets, n, acc + g * Dp, acc + g2 * Dp);
+                                                  offsets, n, acc + g * Dp, acc + g2 * Dp, sums + g, sums + g2);
         }
         if (!in_registers) {
+            for (int64_t g = 0; g < G; g += 2) { /* two independent chains of additions overlap */
+                const float *sa = scores + g * n, *sb = scores + (g + 1 < G ? g + 1 : g) * n;
+                float sum_a = 0.0f, sum_b = 0.0f;
+                for (int64_t j = 0; j < n; j++) {
+                    sum_a += sa[j];
+                    sum_b += sb[j];
+                }
+                sums[g] = sum_a;
+                if (g + 1 < G) sums[g + 1] = sum_b;
+            }
             memset(acc, 0, sizeof(float) * (size_t)(G * Dp));
             for (int64_t j = 0; j < n; j++) {
                 const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
@@ -500,7 +515,7 @@ static void *run_backward(void *arg) {
             for (int64_t g = 0; g < G && in_registers; g += 2) {
                 const int64_t g2 = g + 1 < G ? g + 1 : g;
                 in_registers = weighted_sum_registers(D, dp + g * n, dp + g2 * n, job->k_cache, job->kv_bf16, offsets, n,
-                                                      dq + g * Dp, dq + g2 * Dp);
+                                                      dq + g * Dp, dq + g2 * Dp, NULL, NULL);
             }
             if (!in_registers) {
                 memset(dq, 0, sizeof(float) * (size_t)(G * Dp));
