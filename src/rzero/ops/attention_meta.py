@@ -7,6 +7,7 @@ with the same structure, so both reach the same attention kernel.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -65,25 +66,34 @@ class AttentionMeta:
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], *, row_tile: int) -> AttentionMeta:
         """`row_tile`: the model's rows are padded to a multiple of it (`Numerics.row_tile`)."""
-        if not (len(q_lens) == len(ctx_lens) == len(block_tables)):
+        num_seqs = len(q_lens)
+        if not (num_seqs == len(ctx_lens) == len(block_tables)):
             raise ValueError("q_lens, ctx_lens and block_tables must describe the same sequences")
-        for i, (n, ctx, table) in enumerate(zip(q_lens, ctx_lens, block_tables)):
-            if n <= 0:
-                raise ValueError(f"sequence {i} has no query tokens")
-            if len(table) * ATTN_BLOCK < ctx + n:
-                raise ValueError(f"sequence {i}: {len(table)} blocks cannot hold {ctx + n} tokens")
         # The engine builds this every step: the per-token indices in a handful of whole-batch
         # numpy ops (~1 us each, where a small torch op's dispatch costs ~5 us and torch.tensor
         # on a Python list ~55 ns per element), handed to torch without a copy.
-        num_seqs, total = len(q_lens), sum(q_lens)
-        max_q = _round_up(max(q_lens), Q_TILE)
         q = np.array(q_lens, dtype=np.int64)
         ctx = np.array(ctx_lens, dtype=np.int64)
-        n_blocks = max(len(t) for t in block_tables)
-        tables = np.array([t + [0] * (n_blocks - len(t)) for t in block_tables], dtype=np.int64).reshape(num_seqs, n_blocks)
-        seq = np.repeat(np.arange(num_seqs), q)  # (T,) sequence of each token
-        offset = np.arange(total) - (np.cumsum(q) - q)[seq]  # (T,) index of each token within its sequence
-        pos = ctx[seq] + offset  # (T,) absolute position of each token
+        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
+        bad = np.flatnonzero((q <= 0) | (lengths * ATTN_BLOCK < ctx + q))
+        if bad.size:
+            i = int(bad[0])
+            if q_lens[i] <= 0:
+                raise ValueError(f"sequence {i} has no query tokens")
+            raise ValueError(f"sequence {i}: {len(block_tables[i])} blocks cannot hold {ctx_lens[i] + q_lens[i]} tokens")
+        total, n_blocks = int(q.sum()), int(lengths.max())
+        max_q = _round_up(int(q.max()), Q_TILE)
+        # Each table left-aligned in its row, zero after it: one fill from the flattened tables.
+        tables = np.zeros((num_seqs, n_blocks), dtype=np.int64)
+        tables[np.arange(n_blocks) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum())
+        )
+        if total == num_seqs:  # one query token per sequence (a decode step): the indices are ranges
+            seq, offset, pos = np.arange(num_seqs), np.zeros(num_seqs, dtype=np.int64), ctx
+        else:
+            seq = np.repeat(np.arange(num_seqs), q)  # (T,) sequence of each token
+            offset = np.arange(total) - (np.cumsum(q) - q)[seq]  # (T,) index of each token within its sequence
+            pos = ctx[seq] + offset  # (T,) absolute position of each token
         q_index = np.zeros((num_seqs, max_q), dtype=np.int64)
         q_positions = np.zeros((num_seqs, max_q), dtype=np.int64)
         q_index[seq, offset] = np.arange(total)
