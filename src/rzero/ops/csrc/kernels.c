@@ -629,6 +629,13 @@ static int norm_threads(int64_t rows, int64_t N, int threads) {
     return threads > 64 ? 64 : threads;
 }
 
+static inline __attribute__((always_inline)) void norm_rows(const NormJob *job, const int64_t N, const float *w, float *row) {
+    const int64_t Np = (N + LANES - 1) / LANES * LANES;
+    for (int64_t r = job->first; r < job->last; r++)
+        rms_norm_row(job->x, job->bf16, r / job->inner * job->stride_outer + r % job->inner * job->stride_inner, N, Np, w,
+                     job->eps, row, job->out, r * N);
+}
+
 static void *run_norm(void *arg) {
     NormJob *job = (NormJob *)arg;
     const int64_t N = job->N, Np = (N + LANES - 1) / LANES * LANES;
@@ -638,9 +645,12 @@ static void *run_norm(void *arg) {
         job->status = 1;
     } else {
         load_row(job->weight, job->bf16, 0, N, w);
-        for (int64_t r = job->first; r < job->last; r++)
-            rms_norm_row(job->x, job->bf16, r / job->inner * job->stride_outer + r % job->inner * job->stride_inner, N, Np,
-                         w, job->eps, row, job->out, r * N);
+        switch (N) { /* constant trip counts for the usual head and hidden sizes (see norm_backward_rows) */
+        case 32: norm_rows(job, 32, w, row); break;
+        case 64: norm_rows(job, 64, w, row); break;
+        case 128: norm_rows(job, 128, w, row); break;
+        default: norm_rows(job, N, w, row);
+        }
     }
     free(row);
     free(w);
@@ -660,6 +670,32 @@ int rz_rms_norm(const void *x, int bf16, int64_t outer, int64_t inner, int64_t s
     return status;
 }
 
+/* The backward of rows [first, last): row, gw (Np floats, zero past N) and w (N floats) are the
+   thread's buffers, grad_w its sums (or NULL). Inlined per head size below, so that every loop
+   has a constant trip count (the q/k norms' rows have 32-128 elements; with a trip count known
+   only at run time the loops' set-up cost more than their work). */
+static inline __attribute__((always_inline)) void norm_backward_rows(const NormJob *job, const int64_t N,
+                                                                     float *restrict row, const float *restrict w,
+                                                                     float *restrict gw, float *restrict grad_w) {
+    const int64_t Np = (N + LANES - 1) / LANES * LANES;
+    for (int64_t r = job->first; r < job->last; r++) {
+        load_row(job->x, job->bf16, r / job->inner * job->stride_outer + r % job->inner * job->stride_inner, N, row);
+        const float rinv = 1.0f / sqrtf(dot(row, row, Np) / (float)N + job->eps);
+        const float *restrict g = job->grad + r * N;
+        for (int64_t d = 0; d < N; d++) row[d] *= rinv; /* normed */
+        if (grad_w)
+            for (int64_t d = 0; d < N; d++) grad_w[d] += g[d] * row[d];
+        if (job->grad_x) {
+            /* In 16 lanes (`dot`), not one sequential chain: a chain of N dependent additions
+               made this backward ~100 us per call on the tiny model's rows. */
+            for (int64_t d = 0; d < N; d++) gw[d] = g[d] * w[d];
+            const float projection = dot(gw, row, Np) / (float)N;
+            float *restrict gx = job->grad_x + r * N;
+            for (int64_t d = 0; d < N; d++) gx[d] = rinv * (gw[d] - row[d] * projection);
+        }
+    }
+}
+
 static void *run_norm_backward(void *arg) {
     NormJob *job = (NormJob *)arg;
     const int64_t N = job->N, Np = (N + LANES - 1) / LANES * LANES;
@@ -671,21 +707,11 @@ static void *run_norm_backward(void *arg) {
         goto done;
     }
     load_row(job->weight, job->bf16, 0, N, w);
-    for (int64_t r = job->first; r < job->last; r++) {
-        load_row(job->x, job->bf16, r / job->inner * job->stride_outer + r % job->inner * job->stride_inner, N, row);
-        const float rinv = 1.0f / sqrtf(dot(row, row, Np) / (float)N + job->eps);
-        const float *restrict g = job->grad + r * N;
-        for (int64_t d = 0; d < N; d++) row[d] *= rinv; /* normed */
-        if (job->grad_w)
-            for (int64_t d = 0; d < N; d++) job->grad_w[d] += g[d] * row[d];
-        if (job->grad_x) {
-            /* In 16 lanes (`dot`), not one sequential chain: a chain of N dependent additions
-               made this backward ~100 us per call on the tiny model's rows. */
-            for (int64_t d = 0; d < N; d++) gw[d] = g[d] * w[d];
-            const float projection = dot(gw, row, Np) / (float)N;
-            float *restrict gx = job->grad_x + r * N;
-            for (int64_t d = 0; d < N; d++) gx[d] = rinv * (gw[d] - row[d] * projection);
-        }
+    switch (N) {
+    case 32: norm_backward_rows(job, 32, row, w, gw, job->grad_w); break;
+    case 64: norm_backward_rows(job, 64, row, w, gw, job->grad_w); break;
+    case 128: norm_backward_rows(job, 128, row, w, gw, job->grad_w); break;
+    default: norm_backward_rows(job, N, row, w, gw, job->grad_w);
     }
 done:
     free(row);
