@@ -306,25 +306,12 @@ typedef struct {
     int status;
 } Job;
 
-static void *run_job(void *arg) {
-    Job *job = (Job *)arg;
-    const int64_t H = job->H, Hkv = job->Hkv, D = job->D, block = job->block, G = H / Hkv;
+/* run_job's work items, inlined per head size below so that the per-key loops (dot products,
+   row loads, the output) have constant trip counts; the arithmetic is the same for every D. */
+static inline __attribute__((always_inline)) void run_items(Job *job, const int64_t D, float *scores, float *q, float *acc,
+                                                            float *row, float *sums, int64_t *offsets) {
+    const int64_t H = job->H, Hkv = job->Hkv, block = job->block, G = H / Hkv;
     const int64_t Dp = (D + LANES - 1) / LANES * LANES;
-    int64_t longest = 1;
-    for (int64_t item = job->first; item < job->last; item++) {
-        int64_t n = job->token_pos[item / Hkv] + 1;
-        if (n > longest) longest = n;
-    }
-    float *scores = malloc(sizeof(float) * (size_t)(G * longest));
-    float *q = calloc((size_t)(G * Dp), sizeof(float));
-    float *acc = malloc(sizeof(float) * (size_t)(G * Dp));
-    float *row = calloc((size_t)Dp, sizeof(float));
-    float *sums = malloc(sizeof(float) * (size_t)G);
-    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
-    if (!scores || !q || !acc || !row || !sums || !offsets) {
-        job->status = 1;
-        goto done;
-    }
     for (int64_t item = job->first; item < job->last; item++) {
         const int64_t t = item / Hkv, h = item % Hkv, n = job->token_pos[t] + 1;
         const int64_t *table = job->block_tables + job->token_seq[t] * job->table_stride;
@@ -391,6 +378,33 @@ static void *run_job(void *arg) {
             }
         }
     }
+}
+
+static void *run_job(void *arg) {
+    Job *job = (Job *)arg;
+    const int64_t H = job->H, Hkv = job->Hkv, D = job->D, G = H / Hkv;
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES;
+    int64_t longest = 1;
+    for (int64_t item = job->first; item < job->last; item++) {
+        int64_t n = job->token_pos[item / Hkv] + 1;
+        if (n > longest) longest = n;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(G * longest));
+    float *q = calloc((size_t)(G * Dp), sizeof(float));
+    float *acc = malloc(sizeof(float) * (size_t)(G * Dp));
+    float *row = calloc((size_t)Dp, sizeof(float));
+    float *sums = malloc(sizeof(float) * (size_t)G);
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
+    if (!scores || !q || !acc || !row || !sums || !offsets) {
+        job->status = 1;
+        goto done;
+    }
+    switch (job->D) {
+    case 32: run_items(job, 32, scores, q, acc, row, sums, offsets); break;
+    case 64: run_items(job, 64, scores, q, acc, row, sums, offsets); break;
+    case 128: run_items(job, 128, scores, q, acc, row, sums, offsets); break;
+    default: run_items(job, job->D, scores, q, acc, row, sums, offsets);
+    }
 done:
     free(scores);
     free(q);
@@ -448,29 +462,12 @@ typedef struct {
     int status;
 } BackwardJob;
 
-static void *run_backward(void *arg) {
-    BackwardJob *job = (BackwardJob *)arg;
-    const int64_t H = job->H, Hkv = job->Hkv, D = job->D, block = job->block, G = H / Hkv;
+/* run_backward's work units, inlined per head size below (constant trip counts, as run_items). */
+static inline __attribute__((always_inline)) void backward_units(BackwardJob *job, const int64_t D, float *p, float *dp,
+                                                                 float *q, float *go, float *dq, float *row,
+                                                                 float *weighted, int64_t *offsets) {
+    const int64_t H = job->H, Hkv = job->Hkv, block = job->block, G = H / Hkv;
     const int64_t Dp = (D + LANES - 1) / LANES * LANES;
-    int64_t longest = 1;
-    for (int64_t unit = job->first; unit < job->last; unit++) {
-        const int64_t b = unit % job->num_seqs;
-        for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++)
-            if (job->token_pos[t] + 1 > longest) longest = job->token_pos[t] + 1;
-    }
-    /* Per (token, KV head): p and dp hold G rows of `longest` keys; q, go, dq hold G rows of Dp. */
-    float *p = malloc(sizeof(float) * (size_t)(G * longest));
-    float *dp = malloc(sizeof(float) * (size_t)(G * longest));
-    float *q = calloc((size_t)(G * Dp), sizeof(float));
-    float *go = calloc((size_t)(G * Dp), sizeof(float));
-    float *dq = malloc(sizeof(float) * (size_t)(G * Dp));
-    float *row = calloc((size_t)Dp, sizeof(float));
-    float *weighted = malloc(sizeof(float) * (size_t)G);
-    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
-    if (!p || !dp || !q || !go || !dq || !row || !weighted || !offsets) {
-        job->status = 1;
-        goto done;
-    }
     for (int64_t unit = job->first; unit < job->last; unit++) {
         const int64_t b = unit % job->num_seqs, h = unit / job->num_seqs;
         for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++) {
@@ -542,6 +539,37 @@ static void *run_backward(void *arg) {
             for (int64_t g = 0; g < G; g++)
                 for (int64_t d = 0; d < D; d++) job->dq[(t * H + h * G + g) * D + d] = dq[g * Dp + d] * job->scale;
         }
+    }
+}
+
+static void *run_backward(void *arg) {
+    BackwardJob *job = (BackwardJob *)arg;
+    const int64_t H = job->H, Hkv = job->Hkv, D = job->D, G = H / Hkv;
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES;
+    int64_t longest = 1;
+    for (int64_t unit = job->first; unit < job->last; unit++) {
+        const int64_t b = unit % job->num_seqs;
+        for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++)
+            if (job->token_pos[t] + 1 > longest) longest = job->token_pos[t] + 1;
+    }
+    /* Per (token, KV head): p and dp hold G rows of `longest` keys; q, go, dq hold G rows of Dp. */
+    float *p = malloc(sizeof(float) * (size_t)(G * longest));
+    float *dp = malloc(sizeof(float) * (size_t)(G * longest));
+    float *q = calloc((size_t)(G * Dp), sizeof(float));
+    float *go = calloc((size_t)(G * Dp), sizeof(float));
+    float *dq = malloc(sizeof(float) * (size_t)(G * Dp));
+    float *row = calloc((size_t)Dp, sizeof(float));
+    float *weighted = malloc(sizeof(float) * (size_t)G);
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
+    if (!p || !dp || !q || !go || !dq || !row || !weighted || !offsets) {
+        job->status = 1;
+        goto done;
+    }
+    switch (job->D) {
+    case 32: backward_units(job, 32, p, dp, q, go, dq, row, weighted, offsets); break;
+    case 64: backward_units(job, 64, p, dp, q, go, dq, row, weighted, offsets); break;
+    case 128: backward_units(job, 128, p, dp, q, go, dq, row, weighted, offsets); break;
+    default: backward_units(job, job->D, p, dp, q, go, dq, row, weighted, offsets);
     }
 done:
     free(p);
