@@ -260,32 +260,6 @@ def test_invariant_silu_mul_on_column_slices_of_a_joined_gemm(width, dtype):
         assert torch.equal(ops.INVARIANT.silu_mul(gate[: i + 1], up[: i + 1])[i], out[i])
 
 
-@pytest.mark.parametrize("mode", ["invariant", "standard"])
-@pytest.mark.parametrize("width", [64, 100])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_swiglu_on_the_joined_output_matches_silu_mul_of_its_halves(mode, width, dtype):
-    """`swiglu` (the MLP's op on the joined gate/up GEMM output) gives silu_mul's bits forward and,
-    in training, autograd's gradient of silu_mul on the two column slices in one joined tensor:
-    bit for bit at a width of whole vectors (every preset's), where invariant silu_mul runs on the
-    slices as they are; at other widths it pads a flat copy, whose gradient may round apart."""
-    nx = ops.numerics(mode)
-    gen = torch.Generator().manual_seed(width)
-    base = (torch.randn(23, 2 * width, generator=gen) * 3).to(DTYPES[dtype])
-    grad_out = torch.randn(23, width, generator=gen).to(DTYPES[dtype])
-    joined = base.clone().requires_grad_(True)
-    out = nx.swiglu(joined)
-    out.backward(grad_out)
-    split = base.clone().requires_grad_(True)
-    expected = nx.silu_mul(split[:, :width], split[:, width:])
-    expected.backward(grad_out)
-    assert torch.equal(out, expected)
-    if width % 64 == 0:
-        assert torch.equal(joined.grad, split.grad)
-    torch.testing.assert_close(joined.grad, split.grad, rtol=1e-5 if dtype == "fp32" else 1e-2, atol=1e-5 if dtype == "fp32" else 1e-2)
-    assert joined.grad[:, :width].abs().sum() > 0 and joined.grad[:, width:].abs().sum() > 0
-    with torch.no_grad():
-        assert torch.equal(nx.swiglu(base), expected)
-
 def test_apply_rotary_is_rotate_half():
     gen = torch.Generator().manual_seed(3)
     x, angle = randn(gen, 5, 2, 8), randn(gen, 5, 1, 4)

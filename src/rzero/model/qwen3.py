@@ -117,28 +117,25 @@ class Packed:
         for lin, view in zip(linears, views):
             lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
         self.ptrs = [v.data_ptr() for v in views]
+        self.sizes = [v.shape[0] for v in views]  # each module's columns of the joined output
 
     def usable(self, linears: list[Linear]) -> bool:
         """Whether the modules' parameters are still views of the packed tensor."""
         return [lin.weight.data_ptr() for lin in linears] == self.ptrs
 
 
-def project_joined(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> torch.Tensor:
-    """`linears` applied to x in one GEMM (the same bits as one GEMM each), their outputs side by
-    side along the last dim: on the packed weight when no gradient is wanted, else on the weights
-    joined for this pass (in training, autograd hands each weight its rows of the gradient)."""
+def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
+    """Each of `linears` applied to x, in one GEMM (the same bits as one GEMM each): on the packed
+    weight when no gradient is wanted, else on the weights joined for this pass (in training,
+    autograd hands each weight its rows of the gradient)."""
     packed_weights = owner.__dict__.get("packed")
     usable = packed_weights is not None and packed_weights.usable(linears)
-    if usable and not torch.is_grad_enabled():  # the engine's path
-        return nx.linear(x, packed_weights.weight)
+    if usable and not torch.is_grad_enabled():  # the engine's path, with the sizes kept
+        return list(nx.linear(x, packed_weights.weight).split(packed_weights.sizes, dim=-1))
     weights = [lin.weight for lin in linears]
     grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-    return nx.linear(x, packed_weights.weight if usable and not grad else joined(weights))
-
-
-def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
-    """Each of `linears` applied to x (`project_joined`), one tensor each (views of one output)."""
-    return list(project_joined(x, owner, linears, nx).split([lin.weight.shape[0] for lin in linears], dim=-1))
+    fused = packed_weights.weight if usable and not grad else joined(weights)
+    return list(nx.linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
 
 
 class MLP(nn.Module):
@@ -149,8 +146,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor, nx: Numerics) -> torch.Tensor:
-        gate_up = project_joined(x, self, [self.gate_proj, self.up_proj], nx)
-        return self.down_proj(nx.swiglu(gate_up), nx)
+        gate, up = project(x, self, [self.gate_proj, self.up_proj], nx)
+        return self.down_proj(nx.silu_mul(gate, up), nx)
 
 
 class Attention(nn.Module):

@@ -114,17 +114,6 @@ class Numerics:
         return self._on(gate).silu_mul(gate, up)
 
     @_op
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up = [gate | up] along the last dim (the joined gate/up GEMM's
-        output): `silu_mul` of its two halves, the same bits. In training the backward writes both
-        halves' gradients into one tensor, the joined GEMM's output gradient, where autograd's
-        split would allocate two and concatenate them (a copy of the widest activation per layer)."""
-        half = gate_up.shape[-1] // 2
-        if torch.is_grad_enabled() and gate_up.requires_grad:
-            return _SwiGLU.apply(gate_up, self._on(gate_up).silu_mul)
-        return self._on(gate_up).silu_mul(gate_up[..., :half], gate_up[..., half:])
-
-    @_op
     def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding (rotate-half convention) of x (T, H, D) by cos, sin (T, 1, D);
         elementwise, the same bits in both modes (`invariant` on the CPU runs it as one C pass)."""
@@ -198,30 +187,6 @@ class Numerics:
         """One token per row (inverse CDF at a uniform from each row's own generator or stream of
         its uniforms; argmax for greedy rows)."""
         return _sampling.sample_tokens(logprobs, greedy, generators)
-
-
-class _SwiGLU(torch.autograd.Function):
-    """`Numerics.swiglu` in training: the mode's own forward; the backward is autograd's math for
-    silu(gate) * up on the two halves (the same ops and, at widths of whole vectors, the same bits:
-    tests/test_ops.py), written into one joined tensor."""
-
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, silu_mul: Callable) -> torch.Tensor:
-        half = gate_up.shape[-1] // 2
-        ctx.save_for_backward(gate_up)
-        return silu_mul(gate_up[..., :half], gate_up[..., half:])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (gate_up,) = ctx.saved_tensors
-        half = gate_up.shape[-1] // 2
-        gate, up = gate_up[..., :half], gate_up[..., half:]
-        out = torch.empty_like(gate_up)
-        torch.mul(grad, torch.nn.functional.silu(gate), out=out[..., half:])
-        grad_gate = out[..., :half]
-        torch.mul(grad, up, out=grad_gate)
-        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return out, None
 
 
 INVARIANT = Numerics("invariant")
