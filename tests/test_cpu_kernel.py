@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rzero.ops import INVARIANT, AttentionMeta, cpu_kernel
+from rzero.ops.invariant import grouping_probe
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 # The portable build: baseline x86-64 (no AVX, no FMA instructions: fmaf becomes a libm call).
@@ -353,3 +354,80 @@ def test_the_samplers_scan_and_search_in_c_pick_the_tokens_torch_picks(tmp_path)
             assert torch.equal(cpu_kernel.inverse_cdf(probs, uniform, lib=portable), expected), (vocab, rows)
     flat = torch.full((1, 8), 0.125)  # a uniform row: u = 0.5 lands exactly on a prefix, right of it
     assert cpu_kernel.inverse_cdf(flat, torch.tensor([0.5])).item() == 4
+
+
+# ----------------------------------------------------------------------- the bf16 GEMM
+
+needs_bf16_gemm = pytest.mark.skipif(
+    not cpu_kernel.bf16_gemm_built(), reason="the kernels are not built for a CPU with AVX-512 BF16 here"
+)
+FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+def _flushed(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values below the smallest normal in magnitude flushed to (signed) zero."""
+    return torch.where(x.abs() < FLT_MIN, x * 0, x)
+
+
+def bf16_gemm_by_definition(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 GEMM's bits as csrc/kernels.c defines them, written out in torch: per output, a sum
+    over k-pairs in order from 0, the odd product added before the even one, each product exact
+    (bf16 x bf16 fits in fp32) and each addition rounded to fp32, inputs and results flushed to zero
+    when denormal; the sum rounded to bf16."""
+    xs, ws = _flushed(x.float()), _flushed(weight.float())
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(0, x.shape[1], 2):
+        for j in (k + 1, k):
+            product = _flushed((xs[:, j, None].double() * ws[None, :, j].double()).float())
+            acc = _flushed(acc + product)
+    return acc.to(torch.bfloat16)
+
+
+def wide_range(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 values over most of the exponent range, denormals included, none that overflow a sum."""
+    mantissa = torch.rand(*shape, generator=gen) - 0.5
+    exponent = torch.randint(-132, 30, shape, generator=gen).float()
+    return (mantissa * torch.exp2(exponent)).bfloat16()
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("M, K, N", [(1, 2, 1), (5, 64, 40), (19, 128, 96), (8, 30, 33)])
+def test_the_bf16_gemm_has_the_bits_of_its_definition(M, K, N):
+    gen = torch.Generator().manual_seed(M * 1000 + K + N)
+    for x, weight in ((wide_range(gen, M, K), wide_range(gen, N, K)), grouping_probe(M, K, N, seed=K + N)):
+        got = cpu_kernel.bf16_gemm(x, cpu_kernel.bf16_pack(weight), N)
+        assert torch.equal(got, bf16_gemm_by_definition(x, weight))
+        assert got.float().abs().sum() > 0
+
+
+@needs_bf16_gemm
+def test_the_bf16_gemm_gives_a_row_the_same_bits_alone_in_any_batch_and_on_any_threads():
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(70, 256, generator=gen).bfloat16(), torch.randn(200, 256, generator=gen).bfloat16()
+    packed = cpu_kernel.bf16_pack(weight)
+    # The engine's row-major weight (a transposed view) packs to the same panels.
+    assert torch.equal(cpu_kernel.bf16_pack(weight.t().contiguous().t()), packed)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        full = cpu_kernel.bf16_gemm(x, packed, 200)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu_kernel.bf16_gemm(x, packed, 200), full)
+            for start, stop in ((0, 1), (7, 8), (3, 20), (13, 70)):
+                assert torch.equal(cpu_kernel.bf16_gemm(x[start:stop], packed, 200), full[start:stop])
+    finally:
+        torch.set_num_threads(saved)
+    strided = torch.zeros(70, 300, dtype=torch.bfloat16)
+    strided[:, 10:266] = x
+    assert torch.equal(cpu_kernel.bf16_gemm(strided[:, 10:266], packed, 200), full)  # rows read in place
+    torch.testing.assert_close(full.float(), x.float() @ weight.float().t(), rtol=2e-2, atol=0.3)
+
+
+@needs_bf16_gemm
+def test_the_bf16_gemm_refuses_an_odd_k_and_a_mismatched_packing():
+    with pytest.raises(RuntimeError, match="even K"):
+        cpu_kernel.bf16_pack(torch.ones(4, 3, dtype=torch.bfloat16))
+    packed = cpu_kernel.bf16_pack(torch.ones(40, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not \\(40, 6\\)"):
+        cpu_kernel.bf16_gemm(torch.ones(2, 6, dtype=torch.bfloat16), packed, 40)

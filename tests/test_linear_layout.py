@@ -14,7 +14,7 @@ from test_ops import PROBE_SHAPES
 
 from rzero import ops
 from rzero.model.presets import PRESETS
-from rzero.ops import AttentionMeta, invariant, weight_copies
+from rzero.ops import AttentionMeta, cpu_kernel, invariant, weight_copies
 from rzero.ops.invariant import ROW_TILE, grouping_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -27,8 +27,10 @@ PACKS += [(K, [N]) for K, N in PROBE_SHAPES]
 @pytest.fixture(autouse=True)
 def bf16_gemm_on_bf16(monkeypatch):
     """These tests are about the bf16 GEMM's layouts and paths: run them in that mode on every CPU
-    (without AMX the default is the fp32 GEMM, tested at the end of this file)."""
+    (without AMX the default is the fp32 GEMM, tested at the end of this file), with small weights
+    on it too rather than on our own bf16 GEMM (`bf16_kernel`, tested in test_ops.py)."""
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: "bf16")
+    monkeypatch.setattr(invariant, "bf16_kernel", lambda: False)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -344,3 +346,94 @@ def test_the_kept_one_mm_decision_follows_the_bf16_route(monkeypatch):
     assert widened  # the fp32 route ran
     invariant._ONE_MM.clear()
     assert torch.equal(out, invariant._linear_forward(x, weight, may_prepack=True))
+
+
+# ------------------------------------------- small bf16 weights on our own GEMM (bf16_kernel)
+
+needs_bf16_gemm = pytest.mark.skipif(
+    not cpu_kernel.bf16_gemm_built(), reason="the kernels are not built for a CPU with AVX-512 BF16 here"
+)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_small_bf16_weights_run_on_our_gemm_in_engine_and_trainer_alike(preset, monkeypatch):
+    """Where bf16_kernel() holds, every tiny-preset weight (packed row-major for the engine, joined
+    for training, unpacked in a checkpoint) gives the kernel's bits for any rows; a weight of
+    KERNEL_MAX elements or more, or with an odd K, stays on bf16_gemm()'s route."""
+    monkeypatch.setattr(invariant, "bf16_kernel", lambda: True)
+    gen = torch.Generator().manual_seed(3)
+    config = PRESETS[preset][1]
+    hidden, widths = config.hidden_size, {config.intermediate_size, config.num_attention_heads * config.head_dim}
+    if preset == "tiny-moe":
+        widths.add(config.moe_intermediate_size)
+    shapes = [(width, hidden) for width in widths] + [(hidden, width) for width in widths] + [(config.vocab_size, hidden)]
+    for N, K in shapes:
+        weight = torch.randn(N, K, generator=gen).bfloat16()
+        x = torch.randn(37, K, generator=gen).bfloat16()
+        expected = cpu_kernel.bf16_gemm(x, cpu_kernel.bf16_pack(weight), N)
+        row_major = weight.t().contiguous().t()
+        for w in (weight, row_major):
+            assert torch.equal(ops.INVARIANT.linear(x, w), expected)
+            assert torch.equal(ops.INVARIANT.linear(x[5:6], w), expected[5:6])
+            trained = w.clone().requires_grad_()
+            assert torch.equal(ops.INVARIANT.linear(x, trained), expected)
+    calls = []
+    real = cpu_kernel.bf16_gemm
+    monkeypatch.setattr(cpu_kernel, "bf16_gemm", lambda *args: calls.append(args) or real(*args))
+    weight, x = torch.randn(256, 128, generator=gen).bfloat16(), torch.randn(16, 128, generator=gen).bfloat16()
+    ops.INVARIANT.linear(x, weight)
+    assert len(calls) == 1
+    monkeypatch.setattr(invariant, "KERNEL_MAX", weight.numel())
+    ops.INVARIANT.linear(x, weight)
+    odd = torch.randn(64, 127, generator=gen).bfloat16()
+    ops.INVARIANT.linear(torch.randn(16, 127, generator=gen).bfloat16(), odd)
+    assert len(calls) == 1 and not invariant._on_kernel(weight) and not invariant._on_kernel(odd)
+
+
+@needs_bf16_gemm
+def test_the_engines_kept_gemm_layout_follows_weight_loads(monkeypatch):
+    """The engine keeps each weight's kernel layout; an in-place load (Engine.update_weights, the
+    optimizer) moves the weight's version and the next call packs it again."""
+    monkeypatch.setattr(invariant, "bf16_kernel", lambda: True)
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(128, 64, generator=gen).bfloat16()
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    with torch.no_grad():
+        before = ops.INVARIANT.linear(x, weight)
+        weight.copy_(torch.randn(128, 64, generator=gen).bfloat16())
+        after = ops.INVARIANT.linear(x, weight)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, cpu_kernel.bf16_gemm(x, cpu_kernel.bf16_pack(weight), 128))
+
+
+@needs_bf16_gemm
+def test_training_gradients_through_our_gemm_are_the_plain_linears(monkeypatch):
+    monkeypatch.setattr(invariant, "bf16_kernel", lambda: True)
+    x, weight = grouping_probe(853, 128, 256, seed=7)
+    x, weight = x / 64, (weight / 64).requires_grad_()
+    leaf = x.clone().requires_grad_()
+    upstream = torch.randn(853, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    ops.INVARIANT.linear(leaf, weight).backward(upstream)
+    assert torch.equal(leaf.grad, upstream @ weight.detach())
+    assert torch.equal(weight.grad, upstream.t() @ x)
+
+
+def test_the_bf16_kernel_rule_can_be_forced_and_refuses_a_misspelt_one(monkeypatch):
+    monkeypatch.undo()  # the real rule, not this module's fixture
+    try:
+        monkeypatch.setenv("RZERO_BF16_KERNEL", "0")
+        invariant.bf16_kernel.cache_clear()
+        assert invariant.bf16_kernel() is False
+        monkeypatch.setenv("RZERO_BF16_KERNEL", "yes")
+        invariant.bf16_kernel.cache_clear()
+        with pytest.raises(ValueError, match="RZERO_BF16_KERNEL='yes': use 0"):
+            invariant.bf16_kernel()
+        monkeypatch.setenv("RZERO_BF16_KERNEL", "1")
+        monkeypatch.setattr(cpu_kernel, "bf16_gemm_built", lambda lib=None: False)
+        invariant.bf16_kernel.cache_clear()
+        with pytest.raises(RuntimeError, match="needs a CPU with avx512_bf16"):
+            invariant.bf16_kernel()
+    finally:
+        monkeypatch.undo()
+        invariant.bf16_kernel.cache_clear()

@@ -120,6 +120,11 @@ def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir:
     lib.rz_cached_attention.restype = ctypes.c_int
     lib.rz_inverse_cdf.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.rz_inverse_cdf.restype = ctypes.c_int
+    lib.rz_bf16_pack.argtypes = [ptr, i64, i64, i64, i64, ptr]
+    lib.rz_bf16_pack.restype = ctypes.c_int
+    lib.rz_bf16_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.rz_bf16_gemm.restype = ctypes.c_int
+    lib.rz_bf16_gemm_built.restype = ctypes.c_int
     return lib
 
 
@@ -156,8 +161,11 @@ def _token_index(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check(status: int) -> None:
     if status:
-        reasons = {1: "out of memory", 2: "could not start a thread"}
-        raise RuntimeError(f"CPU attention kernel: {reasons.get(status, f'failed ({status})')}")
+        reasons = {
+            1: "out of memory", 2: "could not start a thread",
+            3: "the bf16 GEMM is not built for this CPU (no AVX-512 BF16)", 4: "the bf16 GEMM needs an even K",
+        }
+        raise RuntimeError(f"CPU kernel: {reasons.get(status, f'failed ({status})')}")
 
 
 def _checked_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -339,4 +347,41 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: ctypes.CD
     x, cos, sin = x.contiguous(), cos.reshape(T, D).contiguous(), sin.reshape(T, D).contiguous()
     out = torch.empty_like(x)
     _check(lib.rz_rotary(x.data_ptr(), x.dtype == torch.bfloat16, cos.data_ptr(), sin.data_ptr(), T, H, D, out.data_ptr()))
+    return out
+
+
+GEMM_COLUMNS = 32  # a packed weight's panel width (csrc/kernels.c, GEMM_COLS)
+
+
+def bf16_gemm_built(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this build of the kernels has the bf16 GEMM (compiled for a CPU with AVX-512 BF16)."""
+    lib = lib or library()
+    return lib is not None and bool(lib.rz_bf16_gemm_built())
+
+
+def bf16_pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A bf16 weight (N, K), any strides, K even, in the bf16 GEMM's layout: panels of 32 columns
+    with the k-pairs interleaved (csrc/kernels.c, rz_bf16_pack), zero columns past N."""
+    lib = lib or library()
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise TypeError(f"bf16 GEMM: the weight must be a 2-D bf16 tensor, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    out = torch.empty(-(-n // GEMM_COLUMNS) * GEMM_COLUMNS * k, dtype=torch.bfloat16)
+    _check(lib.rz_bf16_pack(weight.data_ptr(), n, k, weight.stride(0), weight.stride(1), out.data_ptr()))
+    return out
+
+
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x (M, K) bf16 (rows may be strided, each contiguous) times the weight `bf16_pack` packed into
+    `packed`, whose N is `n`: (M, n) bf16, each element's bits independent of M and the threads."""
+    lib = lib or library()
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise TypeError(f"bf16 GEMM: x must be a 2-D bf16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    if packed.numel() != -(-n // GEMM_COLUMNS) * GEMM_COLUMNS * k:
+        raise ValueError(f"bf16 GEMM: a packed weight of {packed.numel()} elements is not ({n}, {k})")
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    _check(lib.rz_bf16_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, out.data_ptr(), torch.get_num_threads()))
     return out

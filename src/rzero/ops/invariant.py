@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from rzero.ops import weight_copies
+from rzero.ops import cpu_kernel, weight_copies
 from rzero.ops.scratch import scratch
 from rzero.ops.invariant_attention import attention, cached_attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401
@@ -117,14 +117,54 @@ def bf16_gemm() -> str:
         if forced not in BF16_GEMMS:
             raise ValueError(f"RZERO_BF16_GEMM={forced!r}: use one of {', '.join(BF16_GEMMS)}")
         return forced
+    flags, amd = _cpu_flags()
+    return "bf16" if "amx_bf16" in flags or (amd and "avx512_bf16" in flags) else "fp32"
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> tuple[frozenset[str], bool]:
+    """(this CPU's feature flags, whether it is AMD's), from /proc/cpuinfo (empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             lines = cpuinfo.readlines()
     except OSError:
         lines = []
     flags = next((line for line in lines if line.startswith("flags")), "").split()
-    amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in lines)
-    return "bf16" if "amx_bf16" in flags or (amd and "avx512_bf16" in flags) else "fp32"
+    return frozenset(flags), any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in lines)
+
+
+# Small bf16 weights (below KERNEL_MAX elements, every weight of the tiny presets) with an even K
+# run on our own bf16 GEMM where `bf16_kernel()`; larger ones keep `bf16_gemm()`'s route.
+KERNEL_MAX = 1 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_kernel() -> bool:
+    """Whether small bf16 weights (KERNEL_MAX) multiply on our own GEMM (csrc/kernels.c,
+    rz_bf16_gemm): on CPUs with avx512_bf16 and without AMX, when the kernels are built for them.
+    Its bits are its own definition (each output one fixed-order sum, independent of the rows and
+    threads; rzero/ops/cpu_kernel.py), not oneDNN's; at an engine step's shapes it runs at the
+    instruction's rate where oneDNN pays ~12 us a call (docs/benchmarks.md, fourteenth session).
+    A rule of the machine and the weight's shape, so trainer and engine agree.
+    RZERO_BF16_KERNEL=0 turns it off, =1 insists on it (an error where it cannot run)."""
+    forced = os.environ.get("RZERO_BF16_KERNEL", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"RZERO_BF16_KERNEL={forced!r}: use 0 (off) or 1 (on)")
+    if forced == "0":
+        return False
+    flags, _ = _cpu_flags()
+    usable = "avx512_bf16" in flags and "amx_bf16" not in flags and cpu_kernel.bf16_gemm_built()
+    if forced == "1" and not cpu_kernel.bf16_gemm_built():
+        raise RuntimeError(
+            f"RZERO_BF16_KERNEL=1, but the bf16 GEMM is not available here (kernels: {cpu_kernel.kernel_status()}; "
+            "it needs a CPU with avx512_bf16)"
+        )
+    return forced == "1" or usable
+
+
+def _on_kernel(weight: torch.Tensor) -> bool:
+    """Whether this bf16 weight's linear runs on our own GEMM (see bf16_kernel)."""
+    return weight.numel() < KERNEL_MAX and weight.shape[1] % 2 == 0 and weight.device.type == "cpu" and bf16_kernel()
 
 
 def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
@@ -301,6 +341,13 @@ def _linear_forward(
     the (N, K) weight as multiplied (widened on the fp32 route), for the backward to reuse."""
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
+    if weight.dtype == torch.bfloat16 and _on_kernel(weight):
+        if x2.dtype != torch.bfloat16:
+            raise TypeError(f"invariant linear: input {x.dtype} and weight {weight.dtype} must be of one dtype")
+        out = cpu_kernel.bf16_gemm(x2, weight_copies.kernel_panels(weight, may_prepack), weight.shape[0])
+        if operands is not None:
+            operands.extend((x2, weight))
+        return out.view(*x.shape[:-1], weight.shape[0])
     if operands is None and rows % ROW_TILE == 0 and x2.dtype == weight.dtype and x2.is_contiguous():
         # The decode steps ask the same question every step: whether one plain mm holds every row.
         key = (rows, weight.shape, weight.stride(), weight.dtype, may_prepack, torch.get_num_threads(), bf16_gemm())

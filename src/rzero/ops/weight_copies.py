@@ -1,6 +1,6 @@
 """Copies of a weight that the CPU's invariant linear multiplies instead of the weight itself
-(rzero/ops/invariant.py): a oneDNN-prepacked bf16 copy, an fp32 (N, K) copy and fp32 column
-panels. Each is kept beside its weight for callers that want no gradient (the engine, scoring), and
+(rzero/ops/invariant.py): a oneDNN-prepacked bf16 copy, the bf16 panels of our own GEMM, an fp32
+(N, K) copy and fp32 column panels. Each is kept beside its weight for callers that want no gradient (the engine, scoring), and
 made again whenever the weight changes in place (its version counter moves: an optimizer step,
 `Engine.update_weights`); a weight in training changes every step and gets a fresh copy per pass.
 """
@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
+
+from rzero.ops import cpu_kernel
 
 # id(weight) -> (weakref to it, its version and data pointer when packed, the packed copy). Kept
 # beside the weight, not on it: the packed copy is an opaque oneDNN tensor that cannot be copied.
@@ -35,13 +37,13 @@ def prepacked(weight: torch.Tensor, row_tile: int) -> torch.Tensor | None:
 
 
 # (what, id of the weight's storage owner, data pointer, shape, strides) -> (weakref to the owner,
-# its version when made, the fp32 copy). Keyed by the view, not the tensor object: the MoE experts'
+# its version when made, the copy). Keyed by the view, not the tensor object: the MoE experts'
 # weights are fresh views of one stacked tensor on every call.
-FP32_COPIES: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+COPIES: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def _kept_beside(weight: torch.Tensor, may_cache: bool, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """make() (an fp32 copy of the bf16 weight), kept beside the weight when no gradient is wanted
+    """make() (a copy of the bf16 weight in another layout or dtype), kept beside the weight when no gradient is wanted
     (the engine): built on first use and again whenever the weight changes (its version counter
     moves)."""
     if not may_cache:
@@ -52,11 +54,16 @@ def _kept_beside(weight: torch.Tensor, may_cache: bool, what: str, make: Callabl
         return make()
     owner = weight if weight._base is None else weight._base
     key = (what, id(owner), weight.data_ptr(), tuple(weight.shape), weight.stride())
-    entry = FP32_COPIES.get(key)
+    entry = COPIES.get(key)
     if entry is None or entry[0]() is not owner or entry[1] != version:
-        ref = weakref.ref(owner, lambda _, key=key: FP32_COPIES.pop(key, None))
-        entry = FP32_COPIES[key] = (ref, version, make())
+        ref = weakref.ref(owner, lambda _, key=key: COPIES.pop(key, None))
+        entry = COPIES[key] = (ref, version, make())
     return entry[2]
+
+
+def kernel_panels(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
+    """The bf16 weight in the layout of our own bf16 GEMM (rzero/ops/cpu_kernel.py, bf16_pack)."""
+    return _kept_beside(weight, may_cache, "kernel", lambda: cpu_kernel.bf16_pack(weight))
 
 
 def widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:

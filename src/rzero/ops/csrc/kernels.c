@@ -968,3 +968,108 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
     }
     return run_parallel(run_scan, jobs, sizeof(ScanJob), threads);
 }
+
+/* The invariant bf16 linear on CPUs with avx512_bf16 (rzero/ops/invariant.py, `bf16_kernel`):
+   out (M, N) bf16 = x (M, K) bf16 times W^T, W (N, K) prepacked by rz_bf16_pack into panels of 32
+   columns whose k-pairs interleave ([panel][K / 2][32][2], zero columns past N; K even). Each
+   output element is one sum, on one thread, over the k-pairs in order from k = 0, each pair added
+   the way `vdpbf16ps` adds it: the odd product, then the even one, each addition rounded to fp32,
+   inputs and results flushed to zero when denormal; the sum is then rounded to bf16 (nearest
+   even). Nothing else enters an element: not the other rows, not M, not the threads (each takes
+   whole 8-row x 32-column tiles). tests/test_ops.py checks these bits against that definition
+   written out in torch. Why a GEMM of our own: oneDNN's bf16 GEMM costs ~12 us a call before any
+   work at an engine step's shapes, and this kernel runs them at the instruction's rate
+   (docs/benchmarks.md, fourteenth session). */
+#define GEMM_ROWS 8
+#define GEMM_COLS 32
+
+int rz_bf16_pack(const uint16_t *w, int64_t N, int64_t K, int64_t stride_n, int64_t stride_k, uint16_t *out) {
+    if (K % 2) return 4;
+    const int64_t panels = (N + GEMM_COLS - 1) / GEMM_COLS, pairs = K / 2;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < pairs; kk++)
+            for (int64_t j = 0; j < GEMM_COLS; j++) {
+                const int64_t n = p * GEMM_COLS + j;
+                uint16_t *dst = out + ((p * pairs + kk) * GEMM_COLS + j) * 2;
+                dst[0] = n < N ? w[n * stride_n + 2 * kk * stride_k] : 0;
+                dst[1] = n < N ? w[n * stride_n + (2 * kk + 1) * stride_k] : 0;
+            }
+    return 0;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+typedef struct {
+    const uint16_t *x, *packed;
+    uint16_t *out;
+    int64_t M, K, N, lda, first, last; /* tiles [first, last): tile = row block * panels + panel */
+} GemmJob;
+
+static inline void gemm_tile(const uint16_t *x, int64_t lda, int64_t rows, const uint16_t *panel, int64_t pairs,
+                             uint16_t *out, int64_t ldc, int64_t cols) {
+    __m512 acc[GEMM_ROWS][2];
+    for (int r = 0; r < GEMM_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        const __m512bh lo = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * GEMM_COLS);
+        const __m512bh hi = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * GEMM_COLS + GEMM_COLS);
+        for (int r = 0; r < GEMM_ROWS; r++)
+            if (r < rows) {
+                int32_t pair;
+                memcpy(&pair, x + r * lda + 2 * kk, sizeof pair);
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, lo);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, hi);
+            }
+    }
+    for (int r = 0; r < rows; r++) {
+        uint16_t row[GEMM_COLS];
+        _mm256_storeu_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+        _mm256_storeu_si256((__m256i *)(row + 16), (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+        memcpy(out + r * ldc, row, (size_t)cols * sizeof(uint16_t));
+    }
+}
+
+static void *run_gemm(void *arg) {
+    const GemmJob *job = (const GemmJob *)arg;
+    const int64_t panels = (job->N + GEMM_COLS - 1) / GEMM_COLS, pairs = job->K / 2;
+    /* Row blocks outer, panels inner: each block's rows stay in L1 and its outputs are written
+       row by row; the panels (the whole weight) stay in L2. */
+    for (int64_t t = job->first; t < job->last; t++) {
+        const int64_t m = t / panels * GEMM_ROWS, p = t % panels;
+        const int64_t rows = job->M - m < GEMM_ROWS ? job->M - m : GEMM_ROWS;
+        const int64_t cols = job->N - p * GEMM_COLS < GEMM_COLS ? job->N - p * GEMM_COLS : GEMM_COLS;
+        gemm_tile(job->x + m * job->lda, job->lda, rows, job->packed + p * pairs * 2 * GEMM_COLS, pairs,
+                  job->out + m * job->N + p * GEMM_COLS, job->N, cols);
+    }
+    return NULL;
+}
+
+/* From this many multiply-adds per thread on, a call splits its tiles over the threads (below it
+   the threads' start costs more than they save). */
+#define GEMM_MACS_PER_THREAD (1 << 20)
+
+int rz_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t lda, const uint16_t *packed, int64_t N, uint16_t *out,
+                 int threads) {
+    if (K % 2) return 4;
+    const int64_t tiles = (M + GEMM_ROWS - 1) / GEMM_ROWS * ((N + GEMM_COLS - 1) / GEMM_COLS);
+    const int64_t most = M * N * K / GEMM_MACS_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    if (threads > tiles) threads = tiles > 0 ? (int)tiles : 1;
+    if (threads > 64) threads = 64;
+    GemmJob jobs[64];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (GemmJob){x, packed, out, M, K, N, lda, tiles * i / threads, tiles * (i + 1) / threads};
+    return run_parallel(run_gemm, jobs, sizeof(GemmJob), threads);
+}
+
+int rz_bf16_gemm_built(void) { return 1; }
+#else
+/* Built without AVX-512 BF16 (another CPU, or the portable build): rzero never routes a linear
+   here (bf16_kernel() asks rz_bf16_gemm_built first); a call anyway gets status 3. */
+int rz_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t lda, const uint16_t *packed, int64_t N, uint16_t *out,
+                 int threads) {
+    (void)x; (void)M; (void)K; (void)lda; (void)packed; (void)N; (void)out; (void)threads;
+    return 3;
+}
+
+int rz_bf16_gemm_built(void) { return 0; }
+#endif
