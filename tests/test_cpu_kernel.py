@@ -1,5 +1,5 @@
-"""The CPU's C kernels (rzero/ops/cpu_kernel.py, csrc/kernels.c: attention, RMSNorm and rotary): they
-build where a compiler exists, their bits depend neither on the instruction set they were
+"""The CPU's C kernels (rzero/ops/cpu_kernel.py, csrc/kernels.c: attention, RMSNorm, rotary, the
+bf16 GEMM): they build where a compiler exists, their bits depend neither on the instruction set they were
 compiled for nor on the thread count, and their training backward gives the right gradients.
 Batch invariance itself is tested in test_ops.py (prefill vs decode vs chunks, neighbours,
 shuffled blocks, rows alone vs in a batch) for the kernels and the stock-op fallback alike."""

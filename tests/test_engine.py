@@ -802,17 +802,22 @@ def test_top_logprobs_change_nothing_else(model_dir):
 
 
 
-@pytest.mark.parametrize("gemm", ["bf16", "fp32", "fp32-panels"])
+@pytest.mark.parametrize("gemm", ["bf16", "fp32", "fp32-panels", "kernel"])
 def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update(gemm, monkeypatch):
     """At hidden size 1024 (a 0.6B model's K), on the bf16 GEMM the engine's decode linears run on
     prepacked weights (`invariant.prepack_proven`) and the trainer's on mm tiles; on the fp32 GEMM
     (Intel CPUs without AMX) the engine's on cached fp32 copies (or column panels, from PANEL_MIN
-    elements) and the trainer's on fresh ones. Each behaviour logprob must still be the trainer's
-    at its token's version, across an in-place weight update that repacks (or widens again) them."""
+    elements) and the trainer's on fresh ones; on our own GEMM (small weights, avx512_bf16) the
+    engine's on kept panels and the trainer's on panels packed per pass. Each behaviour logprob
+    must still be the trainer's at its token's version, across an in-place weight update that
+    repacks (or widens again) them."""
     from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
-    from rzero.ops import invariant, weight_copies
+    from rzero.ops import cpu_kernel, invariant, weight_copies
 
-    monkeypatch.setattr(invariant, "bf16_gemm", lambda: gemm.split("-")[0])
+    if gemm == "kernel" and not cpu_kernel.bf16_gemm_built():
+        pytest.skip("the kernels are not built for a CPU with AVX-512 BF16 here")
+    monkeypatch.setattr(invariant, "bf16_gemm", lambda: "bf16" if gemm == "kernel" else gemm.split("-")[0])
+    monkeypatch.setattr(invariant, "bf16_kernel", lambda: gemm == "kernel")
     if gemm == "fp32":
         monkeypatch.setattr(invariant, "PANEL_MIN", 1 << 62)  # every weight on the (N, K) fp32 route
 

@@ -33,7 +33,8 @@ from rzero.check.engine_checks import (
 from rzero.check.harness import CheckResult, Harness, fmt
 from rzero.ops import resolve_device
 from rzero.ops.cpu_kernel import kernel_status
-from rzero.ops.invariant import bf16_gemm
+from rzero.ops.gemm_route import bf16_gemm, bf16_kernel
+from rzero.ops.invariant import KERNEL_MAX
 from rzero.ops.device import intra_op_threads, model_dir_threads
 from rzero.check.trainer_checks import (
     c0_numerics_audit,
@@ -118,7 +119,8 @@ def report(results: list[CheckResult], model_dir: str | Path, numerics: str, dty
         "dtype": dtype,
         "model": str(model_dir),
         "cpu_attention": kernel_status(),  # the C kernel, or the stock-op fallback and why
-        "cpu_bf16_gemm": bf16_gemm(),  # which GEMM a CPU bf16 linear runs (invariant.bf16_gemm)
+        "cpu_bf16_gemm": bf16_gemm(),  # which GEMM a CPU bf16 linear runs (gemm_route.bf16_gemm)
+        "cpu_bf16_kernel": bf16_kernel(),  # small bf16 weights on rzero's own GEMM (gemm_route.bf16_kernel)
         "passed": all(r.passed for r in results),
         "checks": [r.to_json() for r in results],
     }
@@ -145,7 +147,9 @@ def print_table(results: list[CheckResult], model_dir, numerics: str, dtype: str
         compared = r.compared + (f"\n[dim]{r.detail}[/dim]" if r.detail else "")
         table.add_row(r.id, r.name, compared, shown, verdict)
     console.print(table)
-    console.print(f"[dim]CPU attention: {kernel_status()}; CPU bf16 linears: {bf16_gemm()} (RZERO_BF16_GEMM)[/dim]")
+    small = f", below {KERNEL_MAX} weight elements rzero's own GEMM" if bf16_kernel() else ""
+    console.print(f"[dim]CPU attention: {kernel_status()}; CPU bf16 linears: {bf16_gemm()} (RZERO_BF16_GEMM){small} "
+                  "(RZERO_BF16_KERNEL)[/dim]")
     passed = sum(r.passed for r in results)
     colour = "green" if passed == len(results) else "red"
     console.print(f"[{colour}]{passed}/{len(results)} checks passed[/{colour}] in {seconds:.1f} s")

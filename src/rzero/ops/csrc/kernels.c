@@ -969,7 +969,7 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
     return run_parallel(run_scan, jobs, sizeof(ScanJob), threads);
 }
 
-/* The invariant bf16 linear on CPUs with avx512_bf16 (rzero/ops/invariant.py, `bf16_kernel`):
+/* The invariant bf16 linear on CPUs with avx512_bf16 (rzero/ops/gemm_route.py, `bf16_kernel`):
    out (M, N) bf16 = x (M, K) bf16 times W^T, W (N, K) prepacked by rz_bf16_pack into panels of 32
    columns whose k-pairs interleave ([panel][K / 2][32][2], zero columns past N; K even). Each
    output element is one sum, on one thread, over the k-pairs in order from k = 0, each pair added
