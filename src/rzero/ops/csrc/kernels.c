@@ -976,11 +976,11 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
    the way `vdpbf16ps` adds it: the odd product, then the even one, each addition rounded to fp32,
    inputs and results flushed to zero when denormal; the sum is then rounded to bf16 (nearest
    even). Nothing else enters an element: not the other rows, not M, not the threads (each takes
-   whole 8-row x 32-column tiles). tests/test_ops.py checks these bits against that definition
+   whole 6-row x 32-column tiles). tests/test_ops.py checks these bits against that definition
    written out in torch. Why a GEMM of our own: oneDNN's bf16 GEMM costs ~12 us a call before any
    work at an engine step's shapes, and this kernel runs them at the instruction's rate
    (docs/benchmarks.md, fourteenth session). */
-#define GEMM_ROWS 8
+#define GEMM_ROWS 6
 #define GEMM_COLS 32
 
 int rz_bf16_pack(const uint16_t *w, int64_t N, int64_t K, int64_t stride_n, int64_t stride_k, uint16_t *out) {
@@ -1004,7 +1004,7 @@ typedef struct {
     int64_t M, K, N, lda, first, last; /* tiles [first, last): tile = row block * panels + panel */
 } GemmJob;
 
-static inline void gemm_tile(const uint16_t *x, int64_t lda, int64_t rows, const uint16_t *panel, int64_t pairs,
+static inline __attribute__((always_inline)) void gemm_tile(const uint16_t *x, int64_t lda, int64_t rows, const uint16_t *panel, int64_t pairs,
                              uint16_t *out, int64_t ldc, int64_t cols) {
     __m512 acc[GEMM_ROWS][2];
     for (int r = 0; r < GEMM_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -1021,10 +1021,16 @@ static inline void gemm_tile(const uint16_t *x, int64_t lda, int64_t rows, const
             }
     }
     for (int r = 0; r < rows; r++) {
-        uint16_t row[GEMM_COLS];
-        _mm256_storeu_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
-        _mm256_storeu_si256((__m256i *)(row + 16), (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
-        memcpy(out + r * ldc, row, (size_t)cols * sizeof(uint16_t));
+        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(acc[r][0]), hi = (__m256i)_mm512_cvtneps_pbh(acc[r][1]);
+        if (cols == GEMM_COLS) {
+            _mm256_storeu_si256((__m256i *)(out + r * ldc), lo);
+            _mm256_storeu_si256((__m256i *)(out + r * ldc + 16), hi);
+        } else { /* the last panel of an N that is not a multiple of 32 */
+            uint16_t row[GEMM_COLS];
+            _mm256_storeu_si256((__m256i *)row, lo);
+            _mm256_storeu_si256((__m256i *)(row + 16), hi);
+            memcpy(out + r * ldc, row, (size_t)cols * sizeof(uint16_t));
+        }
     }
 }
 
@@ -1033,12 +1039,20 @@ static void *run_gemm(void *arg) {
     const int64_t panels = (job->N + GEMM_COLS - 1) / GEMM_COLS, pairs = job->K / 2;
     /* Row blocks outer, panels inner: each block's rows stay in L1 and its outputs are written
        row by row; the panels (the whole weight) stay in L2. */
+    int64_t m = job->first / panels * GEMM_ROWS, p = job->first % panels;
     for (int64_t t = job->first; t < job->last; t++) {
-        const int64_t m = t / panels * GEMM_ROWS, p = t % panels;
         const int64_t rows = job->M - m < GEMM_ROWS ? job->M - m : GEMM_ROWS;
         const int64_t cols = job->N - p * GEMM_COLS < GEMM_COLS ? job->N - p * GEMM_COLS : GEMM_COLS;
-        gemm_tile(job->x + m * job->lda, job->lda, rows, job->packed + p * pairs * 2 * GEMM_COLS, pairs,
-                  job->out + m * job->N + p * GEMM_COLS, job->N, cols);
+        const uint16_t *x = job->x + m * job->lda, *panel = job->packed + p * pairs * 2 * GEMM_COLS;
+        uint16_t *out = job->out + m * job->N + p * GEMM_COLS;
+        if (rows == GEMM_ROWS) /* a constant row count: the k loop without per-row tests */
+            gemm_tile(x, job->lda, GEMM_ROWS, panel, pairs, out, job->N, cols);
+        else
+            gemm_tile(x, job->lda, rows, panel, pairs, out, job->N, cols);
+        if (++p == panels) {
+            p = 0;
+            m += GEMM_ROWS;
+        }
     }
     return NULL;
 }
