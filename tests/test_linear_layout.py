@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from test_cpu_kernel import needs_bf16_gemm
 from test_ops import PROBE_SHAPES
 
 from rzero import ops
@@ -349,11 +350,6 @@ def test_the_kept_one_mm_decision_follows_the_bf16_route(monkeypatch):
 
 
 # ------------------------------------------- small bf16 weights on our own GEMM (bf16_kernel)
-
-needs_bf16_gemm = pytest.mark.skipif(
-    not cpu_kernel.bf16_gemm_built(), reason="the kernels are not built for a CPU with AVX-512 BF16 here"
-)
-
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])

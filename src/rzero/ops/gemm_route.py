@@ -45,8 +45,6 @@ def _cpu_flags() -> tuple[frozenset[str], bool]:
     return frozenset(flags), any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in lines)
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def bf16_kernel() -> bool:
     """Whether small bf16 weights (invariant.KERNEL_MAX) multiply on our own GEMM (csrc/kernels.c,

@@ -16,7 +16,10 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   The backward is plain (F.linear's math). On Intel CPUs without AMX a bf16 linear runs on the
   fp32 GEMM, the bf16 values widened (`bf16_gemm`; AMD CPUs with avx512_bf16 keep the bf16 GEMM):
   below PANEL_MIN weight elements all of the above on the widened (N, K) weight, from it on one bmm over 512-column panels of 16-128-row tiles, whose
-  batched GEMMs run one per thread and so give every thread count the same bits.
+  batched GEMMs run one per thread and so give every thread count the same bits. On CPUs with
+  avx512_bf16 and no AMX, bf16 weights below KERNEL_MAX elements run none of this: our own GEMM
+  (rzero/ops/cpu_kernel.py, `bf16_kernel`) sums each output in one fixed order on one thread, so
+  its rows need no tiles, padding or probe.
 The row and elementwise ops below live in rzero/ops/invariant_rows.py, attention in
 rzero/ops/invariant_attention.py; this module holds the linear layers and is the numerics' one
 namespace (it re-exports them).

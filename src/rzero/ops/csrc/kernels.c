@@ -976,10 +976,10 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
    the way `vdpbf16ps` adds it: the odd product, then the even one, each addition rounded to fp32,
    inputs and results flushed to zero when denormal; the sum is then rounded to bf16 (nearest
    even). Nothing else enters an element: not the other rows, not M, not the threads (each takes
-   whole 6-row x 32-column tiles). tests/test_ops.py checks these bits against that definition
-   written out in torch. Why a GEMM of our own: oneDNN's bf16 GEMM costs ~12 us a call before any
-   work at an engine step's shapes, and this kernel runs them at the instruction's rate
-   (docs/benchmarks.md, fourteenth session). */
+   whole 6-row x 32-column tiles). tests/test_cpu_kernel.py checks these bits against that
+   definition written out in torch. Why a GEMM of our own: oneDNN's bf16 GEMM costs ~12 us a call
+   before any work at an engine step's shapes, and this kernel runs them at the instruction's
+   rate (docs/benchmarks.md, fourteenth session). */
 #define GEMM_ROWS 6
 #define GEMM_COLS 32
 
@@ -1004,8 +1004,9 @@ typedef struct {
     int64_t M, K, N, lda, first, last; /* tiles [first, last): tile = row block * panels + panel */
 } GemmJob;
 
-static inline __attribute__((always_inline)) void gemm_tile(const uint16_t *x, int64_t lda, int64_t rows, const uint16_t *panel, int64_t pairs,
-                             uint16_t *out, int64_t ldc, int64_t cols) {
+static inline __attribute__((always_inline)) void gemm_tile(const uint16_t *x, int64_t lda, int64_t rows,
+                                                             const uint16_t *panel, int64_t pairs, uint16_t *out,
+                                                             int64_t ldc, int64_t cols) {
     __m512 acc[GEMM_ROWS][2];
     for (int r = 0; r < GEMM_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < pairs; kk++) {
