@@ -59,11 +59,13 @@ def bf16_kernel() -> bool:
         raise ValueError(f"RZERO_BF16_KERNEL={forced!r}: use 0 (off) or 1 (on)")
     if forced == "0":
         return False
+    built = cpu_kernel.bf16_gemm_built()
+    if forced == "1":
+        if not built:
+            raise RuntimeError(
+                f"RZERO_BF16_KERNEL=1, but the bf16 GEMM is not available here (kernels: {cpu_kernel.kernel_status()}; "
+                "it needs a CPU with avx512_bf16)"
+            )
+        return True
     flags, _ = _cpu_flags()
-    usable = "avx512_bf16" in flags and "amx_bf16" not in flags and cpu_kernel.bf16_gemm_built()
-    if forced == "1" and not cpu_kernel.bf16_gemm_built():
-        raise RuntimeError(
-            f"RZERO_BF16_KERNEL=1, but the bf16 GEMM is not available here (kernels: {cpu_kernel.kernel_status()}; "
-            "it needs a CPU with avx512_bf16)"
-        )
-    return forced == "1" or usable
+    return built and "avx512_bf16" in flags and "amx_bf16" not in flags

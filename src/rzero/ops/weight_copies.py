@@ -1,8 +1,9 @@
 """Copies of a weight that the CPU's invariant linear multiplies instead of the weight itself
 (rzero/ops/invariant.py): a oneDNN-prepacked bf16 copy, the bf16 panels of our own GEMM, an fp32
-(N, K) copy and fp32 column panels. Each is kept beside its weight for callers that want no gradient (the engine, scoring), and
-made again whenever the weight changes in place (its version counter moves: an optimizer step,
-`Engine.update_weights`); a weight in training changes every step and gets a fresh copy per pass.
+(N, K) copy and fp32 column panels. Each is kept beside its weight for callers that want no
+gradient (the engine, scoring), and made again whenever the weight changes in place (its version
+counter moves: an optimizer step, `Engine.update_weights`); a weight in training changes every
+step and gets a fresh copy per pass.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ COPIES: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def _kept_beside(weight: torch.Tensor, may_cache: bool, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """make() (a copy of the bf16 weight in another layout or dtype), kept beside the weight when no gradient is wanted
-    (the engine): built on first use and again whenever the weight changes (its version counter
-    moves)."""
+    """make() (a copy of the bf16 weight in another layout or dtype), kept beside the weight when
+    no gradient is wanted (the engine): built on first use and again whenever the weight changes
+    (its version counter moves)."""
     if not may_cache:
         return make()
     try:
