@@ -121,21 +121,22 @@ class Packed:
 
     def usable(self, linears: list[Linear]) -> bool:
         """Whether the modules' parameters are still views of the packed tensor."""
-        return [lin.weight.data_ptr() for lin in linears] == self.ptrs
+        return all(lin.weight.data_ptr() == ptr for lin, ptr in zip(linears, self.ptrs))
 
 
 def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
     """Each of `linears` applied to x, in one GEMM (the same bits as one GEMM each): on the packed
     weight when no gradient is wanted, else on the weights joined for this pass (in training,
-    autograd hands each weight its rows of the gradient)."""
+    autograd hands each weight its rows of the gradient). Column views of one output, split by
+    `split_with_sizes` (Tensor.split's Python wrapper cost as much as a small GEMM's call)."""
     packed_weights = owner.__dict__.get("packed")
     usable = packed_weights is not None and packed_weights.usable(linears)
     if usable and not torch.is_grad_enabled():  # the engine's path, with the sizes kept
-        return list(nx.linear(x, packed_weights.weight).split(packed_weights.sizes, dim=-1))
+        return nx.linear(x, packed_weights.weight).split_with_sizes(packed_weights.sizes, dim=-1)
     weights = [lin.weight for lin in linears]
     grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     fused = packed_weights.weight if usable and not grad else joined(weights)
-    return list(nx.linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
+    return nx.linear(x, fused).split_with_sizes([w.shape[0] for w in weights], dim=-1)
 
 
 class MLP(nn.Module):

@@ -155,9 +155,15 @@ def kernel_status() -> str:
     return "c kernel" if library() is not None else f"stock ops ({'; '.join(_NOT_IN_USE) or 'not built'})"
 
 
-def _token_index(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, position) of each real query token."""
-    return meta.token_seq, meta.positions[: meta.num_tokens]
+def _token_index(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block tables, sequence, position) of each real query token, contiguous: made once per
+    forward pass (kept on the meta, which every layer shares)."""
+    index = meta.__dict__.get("_kernel_index")
+    if index is None:
+        index = meta.__dict__["_kernel_index"] = (
+            meta.block_tables.contiguous(), meta.token_seq.contiguous(), meta.positions[: meta.num_tokens].contiguous()
+        )
+    return index
 
 
 def _check(status: int) -> None:
@@ -184,8 +190,7 @@ def attention(
     lib = lib or library()
     _checked_dtypes(q, k_cache, v_cache)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-    tables = meta.block_tables.contiguous()
-    seq, pos = _token_index(meta)
+    tables, seq, pos = _token_index(meta)
     _, heads, head_dim = q.shape
     out = torch.empty(meta.padded_tokens, heads, head_dim, dtype=torch.float32)
     out[meta.num_tokens :] = 0
@@ -234,8 +239,7 @@ def cached_attention(
     # Every tensor whose pointer the call takes is held here, so no temporary is freed before it.
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     cos, sin = cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous()
-    tables = meta.block_tables.contiguous()
-    seq, pos = _token_index(meta)
+    tables, seq, pos = _token_index(meta)
     q_rot = torch.empty(meta.num_tokens, heads, head_dim, dtype=q.dtype)
     out = torch.empty(meta.padded_tokens, heads, head_dim, dtype=q.dtype)
     _check(lib.rz_cached_attention(
@@ -258,14 +262,8 @@ def attention_backward(
     _checked_dtypes(q, k_cache, v_cache)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     grad = grad.float().contiguous()
-    tables = meta.block_tables.contiguous()
-    seq, pos = _token_index(meta)
-    starts = torch.tensor([0, *meta.q_lens], dtype=torch.int64).cumsum(0)
-    # Threads split the work by (KV head, sequence) and each writes its sequence's dK/dV rows;
-    # where sequences share cache blocks (a GRPO group's prompt) the kernel gives each thread
-    # whole KV heads instead, so that no two threads add into one row.
-    used = [t[: -(-n // k_cache.shape[1])] for t, n in zip(tables.tolist(), meta.kv_lens.tolist())]
-    distinct = len({b for t in used for b in t}) == sum(len(t) for t in used)
+    tables, seq, pos = _token_index(meta)
+    starts, distinct = _backward_index(meta, k_cache.shape[1])
     dq = torch.zeros(q.shape[0], *q.shape[1:], dtype=torch.float32)
     dk = torch.zeros(k_cache.shape, dtype=torch.float32)
     dv = torch.zeros(v_cache.shape, dtype=torch.float32)
@@ -276,6 +274,20 @@ def attention_backward(
         dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads(), not distinct,
     ))
     return dq, dk, dv
+
+
+def _backward_index(meta: AttentionMeta, block: int) -> tuple[torch.Tensor, bool]:
+    """(first token of each sequence and the end, whether no two sequences share a cache block):
+    the same for every layer's backward, so made once per meta. Threads split the work by (KV
+    head, sequence) and each writes its sequence's dK/dV rows; where sequences share cache blocks
+    (a GRPO group's prompt) the kernel gives each thread whole KV heads instead, so that no two
+    threads add into one row."""
+    index = meta.__dict__.setdefault("_backward_index", {})
+    if block not in index:
+        starts = torch.tensor([0, *meta.q_lens], dtype=torch.int64).cumsum(0)
+        used = [t[: -(-n // block)] for t, n in zip(meta.block_tables.tolist(), meta.kv_lens.tolist())]
+        index[block] = starts, len({b for t in used for b in t}) == sum(len(t) for t in used)
+    return index[block]
 
 
 def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:

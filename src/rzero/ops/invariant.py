@@ -107,7 +107,7 @@ KERNEL_MAX = 1 << 20
 
 def _on_kernel(weight: torch.Tensor) -> bool:
     """Whether this bf16 weight's linear runs on our own GEMM (see bf16_kernel)."""
-    return weight.numel() < KERNEL_MAX and weight.shape[1] % 2 == 0 and weight.device.type == "cpu" and bf16_kernel()
+    return weight.numel() < KERNEL_MAX and weight.shape[1] % 2 == 0 and weight.is_cpu and bf16_kernel()
 
 
 def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
@@ -282,7 +282,8 @@ def _linear_forward(
     prepacked copy of the weight, and the fp32 route may keep its widened weight; a weight in
     training changes every step and is never packed. `operands`, if given, receives x's rows and
     the (N, K) weight as multiplied (widened on the fp32 route), for the backward to reuse."""
-    x2 = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2  # the usual case: no reshapes (each costs about a microsecond)
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if weight.dtype == torch.bfloat16 and _on_kernel(weight):
         if x2.dtype != torch.bfloat16:
@@ -290,7 +291,7 @@ def _linear_forward(
         out = cpu_kernel.bf16_gemm(x2, weight_copies.kernel_panels(weight, may_prepack), weight.shape[0])
         if operands is not None:
             operands.extend((x2, weight))
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out if flat else out.view(*x.shape[:-1], weight.shape[0])
     if operands is None and rows % ROW_TILE == 0 and x2.dtype == weight.dtype and x2.is_contiguous():
         # The decode steps ask the same question every step: whether one plain mm holds every row.
         key = (rows, weight.shape, weight.stride(), weight.dtype, may_prepack, torch.get_num_threads(), bf16_gemm())

@@ -46,7 +46,9 @@ def trace_dispatch() -> Iterator[Counter]:
 
 
 def inside_op() -> bool:
-    """True while this thread is executing an rzero op (used to find stock kernels leaking in)."""
+    """True while this thread is executing an rzero op (used to find stock kernels leaking in).
+    Kept only while a `trace_dispatch` block records (the C0 audit runs inside one): elsewhere
+    the bookkeeping would cost every op call, about 60 per engine step, for nobody."""
     return getattr(_inside, "depth", 0) > 0
 
 
@@ -56,8 +58,9 @@ def _op(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self: Numerics, *args, **kwargs):
-        if _trace is not None:
-            _trace[f"{self.mode}.{name}"] += 1
+        if _trace is None:
+            return method(self, *args, **kwargs)
+        _trace[f"{self.mode}.{name}"] += 1
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
             return method(self, *args, **kwargs)
@@ -83,7 +86,7 @@ class Numerics:
         """The kernels for x's device: under `invariant`, CUDA tensors take the Triton kernels
         (rzero/ops/cuda_invariant.py), imported on first use so the CPU path never needs triton.
         `standard` is stock PyTorch on every device (cuBLAS and SDPA on CUDA)."""
-        if x.device.type == "cuda" and self._impl is _invariant:
+        if self._impl is _invariant and x.is_cuda:
             from rzero.ops import cuda_invariant
 
             return cuda_invariant

@@ -267,6 +267,92 @@ static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b,
 }
 #endif
 
+/* All G query heads' scores against keys 0..n-1 into s (head g at s + g * n), each the dot()
+   above: lane l sums the d = l mod 16 terms in order of d with fused multiply-adds from zero, then
+   the lanes go through lane_tree. With AVX-512 and D a whole number of lane groups, sixteen keys
+   go at once: their sixteen lane vectors are added level by level in one transposing tree whose
+   every addition is one of lane_tree's (l + 8, + 4, + 2, + 1 of the same key), so each score has
+   the same bits as one dot() at a time, without a horizontal reduction per key. `row` holds
+   16 * Dp floats: the sixteen keys widened from bf16, or one row converted and padded (D < Dp). */
+#if defined(__AVX512F__)
+/* Lane i of the result: the lane_tree sum of v[KEY_LANE[i]]'s 16 lanes (see scores_by_16). */
+static inline __m512 transposed_tree(const __m512 v[16]) {
+    /* Inputs in the order A..P = keys 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15: after
+       the four levels, lane i holds key i. */
+    static const int order[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++) /* l += l + 8: lanes 0-7 of one key, then 0-7 of the next */
+        l1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[order[2 * i]], v[order[2 * i + 1]], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(v[order[2 * i]], v[order[2 * i + 1]], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* l += l + 4: four keys' lanes 0-3 */
+        l2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* l += l + 2: lanes 0-1 of two keys in each 128-bit quarter */
+        l3[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(l2[2 * i]), _mm512_castps_pd(l2[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(l2[2 * i]), _mm512_castps_pd(l2[2 * i + 1]))));
+    /* 0 + 1 */
+    return _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __attribute__((always_inline)) void scores_by_16(int chunks, const float *restrict q, int64_t G,
+                                                               const void *k_cache, int bf16,
+                                                               const int64_t *restrict offsets, int64_t n,
+                                                               float *restrict s, float *restrict keys) {
+    const int64_t Dp = 16 * chunks;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+        const float *rows[16];
+        for (int64_t i = 0; i < 16; i++) {
+            if (i >= m) { /* past the last key: zeros, whose scores are not stored */
+                for (int c = 0; c < chunks; c++) _mm512_storeu_ps(keys + i * Dp + 16 * c, _mm512_setzero_ps());
+                rows[i] = keys + i * Dp;
+                continue;
+            }
+            if (j0 + i + PREFETCH_AHEAD < n) prefetch_row(k_cache, bf16, offsets[j0 + i + PREFETCH_AHEAD], Dp);
+            if (!bf16) {
+                rows[i] = (const float *)k_cache + offsets[j0 + i];
+                continue;
+            }
+            const uint16_t *src = (const uint16_t *)k_cache + offsets[j0 + i];
+            for (int c = 0; c < chunks; c++)
+                _mm512_storeu_ps(keys + i * Dp + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 16 * c))), 16)));
+            rows[i] = keys + i * Dp;
+        }
+        const __mmask16 keep = (__mmask16)((1u << m) - 1u);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 acc[16];
+            const float *qg = q + g * Dp;
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
+                for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[i] + 16 * c), acc[i]);
+            }
+            _mm512_mask_storeu_ps(s + g * n + j0, keep, transposed_tree(acc));
+        }
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void scores_of(const float *restrict q, int64_t G, int64_t D, int64_t Dp,
+                                                            const void *k_cache, int bf16,
+                                                            const int64_t *restrict offsets, int64_t n,
+                                                            float *restrict s, float *restrict row) {
+#if defined(__AVX512F__)
+    if (D == Dp && Dp <= 128) {
+        scores_by_16((int)(Dp / 16), q, G, k_cache, bf16, offsets, n, s, row);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; j++) {
+        if (j + PREFETCH_AHEAD < n) prefetch_row(k_cache, bf16, offsets[j + PREFETCH_AHEAD], D);
+        const Row key = cache_row(k_cache, bf16, offsets[j], D, Dp, row);
+        for (int64_t g = 0; g < G; g++) s[g * n + j] = dot_row(q + g * Dp, key, Dp);
+    }
+}
+
 /* Runs fn on each of `count` jobs (an array of job_size-byte structs), one thread each; returns 2
    if a thread could not be started. Built with OpenMP, the threads are those of the OpenMP runtime
    torch has already loaded (the same libgomp.so.1, so the same pool): right after a torch op its
@@ -346,11 +432,7 @@ static inline __attribute__((always_inline)) void run_items(Job *job, const int6
             for (int64_t j = 0; j < n1 && j < PREFETCH_AHEAD; j++)
                 prefetch_row(job->k_cache, job->kv_bf16, ((table1[j / block] * block + j % block) * Hkv + h1) * D, D);
         }
-        for (int64_t j = 0; j < n; j++) {
-            if (j + PREFETCH_AHEAD < n) prefetch_row(job->k_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
-            const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
-            for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot_row(q + g * Dp, key, Dp);
-        }
+        scores_of(q, G, D, Dp, job->k_cache, job->kv_bf16, offsets, n, scores, row);
         for (int64_t g = 0; g < G; g++) {
             float *restrict s = scores + g * n;
             const float top = max_of(s, n);
@@ -406,7 +488,7 @@ static void *run_job(void *arg) {
     float *scores = malloc(sizeof(float) * (size_t)(G * longest));
     float *q = calloc((size_t)(G * Dp), sizeof(float));
     float *acc = malloc(sizeof(float) * (size_t)(G * Dp));
-    float *row = calloc((size_t)Dp, sizeof(float));
+    float *row = calloc((size_t)(16 * Dp), sizeof(float)); /* scores_of's work rows */
     float *sums = malloc(sizeof(float) * (size_t)G);
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
     if (!scores || !q || !acc || !row || !sums || !offsets) {
@@ -490,11 +572,7 @@ static inline __attribute__((always_inline)) void backward_units(BackwardJob *jo
             }
             key_offsets(table, n, block, Hkv, h, D, offsets);
             /* Scores, then probabilities, as in the forward (up to the division's rounding). */
-            for (int64_t j = 0; j < n; j++) {
-                if (j + PREFETCH_AHEAD < n) prefetch_row(job->k_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
-                const Row key = cache_row(job->k_cache, job->kv_bf16, offsets[j], D, Dp, row);
-                for (int64_t g = 0; g < G; g++) p[g * n + j] = dot_row(q + g * Dp, key, Dp);
-            }
+            scores_of(q, G, D, Dp, job->k_cache, job->kv_bf16, offsets, n, p, row);
             for (int64_t g = 0; g < G; g++) {
                 float *pg = p + g * n, sum = 0.0f;
                 const float top = max_of(pg, n);
@@ -567,7 +645,7 @@ static void *run_backward(void *arg) {
     float *q = calloc((size_t)(G * Dp), sizeof(float));
     float *go = calloc((size_t)(G * Dp), sizeof(float));
     float *dq = malloc(sizeof(float) * (size_t)(G * Dp));
-    float *row = calloc((size_t)Dp, sizeof(float));
+    float *row = calloc((size_t)(16 * Dp), sizeof(float)); /* scores_of's work rows */
     float *weighted = malloc(sizeof(float) * (size_t)G);
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)longest);
     if (!p || !dp || !q || !go || !dq || !row || !weighted || !offsets) {
