@@ -87,6 +87,7 @@ class Engine:
         self._cache_tokens = self.blocks.num_blocks * self.blocks.block_size  # the whole cache's K/V rows
         self.kv_caches = model.new_kv_caches(num_kv_blocks)
         self.max_num_seqs = max_num_seqs
+        # Read when a request is added (each sequence keeps its own stop ids).
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._tokenizer_eos())
         self.recompute_on_update = recompute_on_update
         self.seed = seed
@@ -129,6 +130,8 @@ class Engine:
             for i, rid in enumerate(ids):
                 seed = params.seed if params.seed is not None else self.seed * 1_000_003 + number
                 seq = Sequence(rid, tokens, params, sampler.sample_generator(seed, i))
+                seq.stop_ids = self._stop_ids(params)
+                seq.length_limit = self._length_limit(len(tokens), params)
                 # Group members wait until the first has computed the prompt, then fork from it.
                 seq.wait_for = first
                 if first is None:
@@ -227,14 +230,14 @@ class Engine:
                 return []
             ids, logit_rows, samplers, prompt_rows, prompt_positions = [], [], [], [], []
             for seq, n in batch:
-                start = len(ids)
-                ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+                start, done = len(ids), seq.num_computed
+                ids.extend(seq.token_ids[done : done + n])
                 if seq.prompt_logprobs is not None:
-                    last = min(seq.num_computed + n, seq.num_prompt_tokens - 1)
-                    prompt_positions.extend((seq, p) for p in range(seq.num_computed, last))
-                    prompt_rows.extend(start + p - seq.num_computed for p in range(seq.num_computed, last))
-                if seq.num_computed + n == len(seq):
-                    logit_rows.append(len(ids) - 1)
+                    last = min(done + n, seq.num_prompt_tokens - 1)
+                    prompt_positions.extend((seq, p) for p in range(done, last))
+                    prompt_rows.extend(start + p - done for p in range(done, last))
+                if done + n == len(seq.token_ids):
+                    logit_rows.append(start + n - 1)
                     samplers.append(seq)
             meta = AttentionMeta.build(
                 [n for _, n in batch],
@@ -290,22 +293,26 @@ class Engine:
         if seq.top_logprobs is not None:
             seq.top_logprobs.append(top_logprobs)
         seq.versions.append(self.version)
-        params, reason = seq.params, None
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        reason = None
+        if token in seq.stop_ids:
             reason = "stop"
-        elif params.stop and self._hit_stop_string(seq):
+        elif seq.params.stop and self._hit_stop_string(seq):
             reason = "stop"
-        elif (
-            len(seq) - seq.num_prompt_tokens >= params.max_tokens  # len(output_ids), without the copy
-            or len(seq) >= self.max_model_len
-            # The next step would need K/V for len(seq) tokens: more than the whole cache holds, so
-            # the sequence could never be scheduled again (step() would return [] forever).
-            or len(seq) > self._cache_tokens
-        ):
+        elif len(seq.token_ids) >= seq.length_limit:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
         return StepOutput(seq.request_id, token, logprob, self.version, reason is not None, reason, top_logprobs)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end a sample of these params (its stop ids, and EOS unless ignored)."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+
+    def _length_limit(self, prompt_tokens: int, params: SamplingParams) -> int:
+        """The sequence length at which a sample ends for "length": max_tokens outputs, the context
+        (max_model_len), or one token more than the whole cache holds (the next step would need K/V
+        for all of them, so it could never be scheduled again and step() would return [] forever)."""
+        return min(prompt_tokens + params.max_tokens, self.max_model_len, self._cache_tokens + 1)
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=False)

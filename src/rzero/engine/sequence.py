@@ -117,6 +117,9 @@ class Sequence:
         self.text: str | None = None
         self.block_hashes: list[int] = []  # prefix hashes of the computed full blocks
         self.prompt_logprobs: list[float | None] | None = [None] * (len(prompt) - 1) if params.prompt_logprobs else None
+        # When it ends: the engine sets both from its own limits and EOS ids (Engine.add_request).
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
+        self.length_limit = len(prompt) + params.max_tokens
         self.wait_for: Sequence | None = None  # group leader whose prompt blocks this sample reuses
         self.followers: list[Sequence] = []  # a leader's other samples, forked from its prompt (Scheduler.fork)
 
