@@ -3,7 +3,8 @@
 `AtenRecorder` is a `TorchDispatchMode`: it sees each aten op after autograd and after
 composite ops are decomposed (so `F.linear` shows up as `aten.mm`/`aten.addmm`, `torch.softmax`
 as `aten._softmax`, SDPA as `aten._scaled_dot_product_flash_attention_for_cpu`). For every
-floating-point reduction or matmul it asks `ops.inside_op()`: inside an rzero op the kernel is
+floating-point reduction or matmul it asks `ops.inside_op()` (answered while an
+`ops.trace_dispatch` block records: use the recorder inside one): inside an rzero op the kernel is
 rzero's own choice (invariant or standard, which the `ops.trace_dispatch` counter tells apart);
 outside one it is a stock kernel leaking into the forward pass, whose summation order depends on
 the batch.

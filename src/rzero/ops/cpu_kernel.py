@@ -64,14 +64,14 @@ def _cache_dir() -> Path:
     return Path(base) / "rzero" / "kernels"
 
 
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path, source: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {source.name}:\n{result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a racing process sees no library or the whole of it
     finally:
         if os.path.exists(tmp):
@@ -79,24 +79,27 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def load(flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL:
+def load(
+    flags: tuple[str, ...] = FLAGS, compiler: str | None = None, cache_dir: Path | None = None, source: Path = SOURCE
+) -> ctypes.CDLL:
     """Build (once per source, flags, compiler and CPU) and load the kernel library. Raises
-    RuntimeError or OSError if it cannot; `library()` turns that into the stock-op fallback."""
+    RuntimeError or OSError if it cannot; `library()` turns that into the stock-op fallback.
+    `source`: another version of csrc/kernels.c (benchmarks/bench_attention.py compares them)."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(), _cpu_identity().encode()])
+        b"\0".join([source.read_bytes(), " ".join(flags).encode(), compiler.encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
     name = f"rzero_kernels_{key}.so"
     target = (cache_dir or _cache_dir()) / name
     if not target.exists():
         try:
-            _build(compiler, flags, target)
+            _build(compiler, flags, target, source)
         except OSError:  # an unwritable cache directory: build into this user's temporary one
             target = Path(tempfile.gettempdir()) / f"rzero-kernels-{os.getuid()}" / name
             if not target.exists():
-                _build(compiler, flags, target)
+                _build(compiler, flags, target, source)
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rz_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr,
@@ -156,8 +159,7 @@ def kernel_status() -> str:
 
 
 def _token_index(meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block tables, sequence, position) of each real query token, contiguous: made once per
-    forward pass (kept on the meta, which every layer shares)."""
+    """(block tables, sequence and position of each real query token), once per meta (every layer's)."""
     index = meta.__dict__.get("_kernel_index")
     if index is None:
         index = meta.__dict__["_kernel_index"] = (
@@ -277,11 +279,9 @@ def attention_backward(
 
 
 def _backward_index(meta: AttentionMeta, block: int) -> tuple[torch.Tensor, bool]:
-    """(first token of each sequence and the end, whether no two sequences share a cache block):
-    the same for every layer's backward, so made once per meta. Threads split the work by (KV
-    head, sequence) and each writes its sequence's dK/dV rows; where sequences share cache blocks
-    (a GRPO group's prompt) the kernel gives each thread whole KV heads instead, so that no two
-    threads add into one row."""
+    """(each sequence's first token and the end, whether no two sequences share a cache block), once
+    per meta. Threads split the work by (KV head, sequence), each writing its sequence's dK/dV rows;
+    where sequences share blocks (a GRPO group's prompt) each thread takes whole KV heads instead."""
     index = meta.__dict__.setdefault("_backward_index", {})
     if block not in index:
         starts = torch.tensor([0, *meta.q_lens], dtype=torch.int64).cumsum(0)
