@@ -341,7 +341,10 @@ static inline __attribute__((always_inline)) void scores_of(const float *restric
                                                             const int64_t *restrict offsets, int64_t n,
                                                             float *restrict s, float *restrict row) {
 #if defined(__AVX512F__)
-    if (D == Dp && Dp <= 128) {
+    /* Up to head_dim 64, where the per-key trees cost as much as the multiply-adds: 1.05-1.23x on a
+       call (benchmarks/bench_attention.py); at 128 the sixteen rows read once per head cost more
+       than the trees saved (0.83-1.11x), so one key at a time, both heads per load, as before. */
+    if (D == Dp && Dp <= 64) {
         scores_by_16((int)(Dp / 16), q, G, k_cache, bf16, offsets, n, s, row);
         return;
     }
