@@ -124,7 +124,7 @@ class Packed:
         return all(lin.weight.data_ptr() == ptr for lin, ptr in zip(linears, self.ptrs))
 
 
-def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> list[torch.Tensor]:
+def project(x: torch.Tensor, owner: nn.Module, linears: list[Linear], nx: Numerics) -> tuple[torch.Tensor, ...]:
     """Each of `linears` applied to x, in one GEMM (the same bits as one GEMM each): on the packed
     weight when no gradient is wanted, else on the weights joined for this pass (in training,
     autograd hands each weight its rows of the gradient). Column views of one output, split by

@@ -275,7 +275,7 @@ static int weighted_sum_registers(int64_t D, const float *e_a, const float *e_b,
    the same bits as one dot() at a time, without a horizontal reduction per key. `row` holds
    16 * Dp floats: the sixteen keys widened from bf16, or one row converted and padded (D < Dp). */
 #if defined(__AVX512F__)
-/* Lane i of the result: the lane_tree sum of v[KEY_LANE[i]]'s 16 lanes (see scores_by_16). */
+/* Lane i of the result: the lane_tree sum of v[i]'s 16 lanes, the score of key i (scores_by_16). */
 static inline __m512 transposed_tree(const __m512 v[16]) {
     /* Inputs in the order A..P = keys 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15: after
        the four levels, lane i holds key i. */
