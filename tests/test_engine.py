@@ -813,10 +813,10 @@ def test_wide_bf16_model_engine_matches_the_trainer_through_a_weight_update(gemm
     must still be the trainer's at its token's version, across an in-place weight update that
     repacks (or widens again) them."""
     from rzero.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
-    from rzero.ops import invariant, weight_copies
+    from rzero.ops import gemm_route, invariant, weight_copies
 
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: "bf16" if gemm == "kernel" else gemm.split("-")[0])
-    monkeypatch.setattr(invariant, "bf16_kernel", lambda: gemm == "kernel")
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: gemm == "kernel")
     if gemm == "fp32":
         monkeypatch.setattr(invariant, "PANEL_MIN", 1 << 62)  # every weight on the (N, K) fp32 route
 

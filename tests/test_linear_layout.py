@@ -15,7 +15,7 @@ from test_ops import PROBE_SHAPES
 
 from rzero import ops
 from rzero.model.presets import PRESETS
-from rzero.ops import AttentionMeta, cpu_kernel, invariant, weight_copies
+from rzero.ops import AttentionMeta, cpu_kernel, gemm_route, invariant, weight_copies
 from rzero.ops.invariant import ROW_TILE, grouping_probe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -31,7 +31,7 @@ def bf16_gemm_on_bf16(monkeypatch):
     (without AMX the default is the fp32 GEMM, tested at the end of this file), with small weights
     on it too rather than on our own bf16 GEMM (`bf16_kernel`, tested in test_ops.py)."""
     monkeypatch.setattr(invariant, "bf16_gemm", lambda: "bf16")
-    monkeypatch.setattr(invariant, "bf16_kernel", lambda: False)
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: False)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -357,7 +357,7 @@ def test_small_bf16_weights_run_on_our_gemm_in_engine_and_trainer_alike(preset, 
     """Where bf16_kernel() holds, every tiny-preset weight (packed row-major for the engine, joined
     for training, unpacked in a checkpoint) gives the kernel's bits for any rows; a weight of
     KERNEL_MAX elements or more, or with an odd K, stays on bf16_gemm()'s route."""
-    monkeypatch.setattr(invariant, "bf16_kernel", lambda: True)
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
     gen = torch.Generator().manual_seed(3)
     config = PRESETS[preset][1]
     hidden, widths = config.hidden_size, {config.intermediate_size, config.num_attention_heads * config.head_dim}
@@ -380,18 +380,18 @@ def test_small_bf16_weights_run_on_our_gemm_in_engine_and_trainer_alike(preset, 
     weight, x = torch.randn(256, 128, generator=gen).bfloat16(), torch.randn(16, 128, generator=gen).bfloat16()
     ops.INVARIANT.linear(x, weight)
     assert len(calls) == 1
-    monkeypatch.setattr(invariant, "KERNEL_MAX", weight.numel())
+    monkeypatch.setattr(gemm_route, "KERNEL_MAX", weight.numel())
     ops.INVARIANT.linear(x, weight)
     odd = torch.randn(64, 127, generator=gen).bfloat16()
     ops.INVARIANT.linear(torch.randn(16, 127, generator=gen).bfloat16(), odd)
-    assert len(calls) == 1 and not invariant._on_kernel(weight) and not invariant._on_kernel(odd)
+    assert len(calls) == 1 and not gemm_route.on_kernel(weight) and not gemm_route.on_kernel(odd)
 
 
 @needs_bf16_gemm
 def test_the_engines_kept_gemm_layout_follows_weight_loads(monkeypatch):
     """The engine keeps each weight's kernel layout; an in-place load (Engine.update_weights, the
     optimizer) moves the weight's version and the next call packs it again."""
-    monkeypatch.setattr(invariant, "bf16_kernel", lambda: True)
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(128, 64, generator=gen).bfloat16()
     x = torch.randn(16, 64, generator=gen).bfloat16()
@@ -405,7 +405,7 @@ def test_the_engines_kept_gemm_layout_follows_weight_loads(monkeypatch):
 
 @needs_bf16_gemm
 def test_training_gradients_through_our_gemm_are_the_plain_linears(monkeypatch):
-    monkeypatch.setattr(invariant, "bf16_kernel", lambda: True)
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
     x, weight = grouping_probe(853, 128, 256, seed=7)
     x, weight = x / 64, (weight / 64).requires_grad_()
     leaf = x.clone().requires_grad_()

@@ -33,8 +33,7 @@ from rzero.check.engine_checks import (
 from rzero.check.harness import CheckResult, Harness, fmt
 from rzero.ops import resolve_device
 from rzero.ops.cpu_kernel import kernel_status
-from rzero.ops.gemm_route import bf16_gemm, bf16_kernel
-from rzero.ops.invariant import KERNEL_MAX
+from rzero.ops.gemm_route import KERNEL_MAX, bf16_gemm, bf16_kernel
 from rzero.ops.device import intra_op_threads, model_dir_threads
 from rzero.check.trainer_checks import (
     c0_numerics_audit,

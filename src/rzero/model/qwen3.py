@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, joined, packed
+from rzero.ops import ATTN_BLOCK, AttentionMeta, DenseLayerWeights, Numerics, joined, packed
 from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
@@ -220,8 +220,32 @@ class DecoderLayer(nn.Module):
         cache: KVCache | None,
         nx: Numerics,
     ) -> torch.Tensor:
+        if cache is not None and not torch.is_grad_enabled():  # an engine step: the same bits in fewer calls?
+            weights = self.dense_weights()
+            out = None if weights is None else nx.decoder_layer(h, weights, cos, sin, cache, meta, self.self_attn.scale)
+            if out is not None:
+                return out
         h = h + self.self_attn(self.input_layernorm(h, nx), cos, sin, meta, cache, nx)
         return h + self.mlp(self.post_attention_layernorm(h, nx), nx)
+
+    def dense_weights(self) -> DenseLayerWeights | None:
+        """This layer's weights for `Numerics.decoder_layer`: a dense MLP, q/k/v and gate/up packed
+        (`Qwen3ForCausalLM.pack_weights`); None otherwise."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(mlp) is not MLP:
+            return None
+        qkv, gate_up = attn.__dict__.get("packed"), mlp.__dict__.get("packed")
+        if (
+            qkv is None or gate_up is None
+            or not qkv.usable([attn.q_proj, attn.k_proj, attn.v_proj])
+            or not gate_up.usable([mlp.gate_proj, mlp.up_proj])
+        ):
+            return None
+        return DenseLayerWeights(
+            self.input_layernorm.weight, qkv.weight, attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
+            self.post_attention_layernorm.weight, gate_up.weight, gate_up.sizes, mlp.down_proj.weight,
+            self.input_layernorm.eps,
+        )
 
 
 class Backbone(nn.Module):

@@ -6,6 +6,7 @@ its numerics at construction and hands it to its model copy, so both modes can r
 """
 
 from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
+from rzero.ops.cpu_layer import DenseLayerWeights
 from rzero.ops.device import DEVICE_NAMES, resolve_device
 from rzero.ops.layout import joined, packed
 from rzero.ops.numerics import INVARIANT, NUMERICS_MODES, STANDARD, Numerics, inside_op, numerics, trace_dispatch
@@ -18,6 +19,7 @@ __all__ = [
     "NUMERICS_MODES",
     "STANDARD",
     "AttentionMeta",
+    "DenseLayerWeights",
     "Numerics",
     "SamplingTransform",
     "inside_op",

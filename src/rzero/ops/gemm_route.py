@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
+
 from rzero.ops import cpu_kernel
 
 BF16_GEMMS = ("bf16", "fp32")
@@ -47,7 +49,7 @@ def _cpu_flags() -> tuple[frozenset[str], bool]:
 
 @functools.lru_cache(maxsize=None)
 def bf16_kernel() -> bool:
-    """Whether small bf16 weights (invariant.KERNEL_MAX) multiply on our own GEMM (csrc/kernels.c,
+    """Whether small bf16 weights (KERNEL_MAX) multiply on our own GEMM (csrc/kernels.c,
     rz_bf16_gemm): on CPUs with avx512_bf16 and without AMX, when the kernels are built for them.
     Its bits are its own definition (each output one fixed-order sum, independent of the rows and
     threads; rzero/ops/cpu_kernel.py), not oneDNN's; at an engine step's shapes it runs at the
@@ -69,3 +71,13 @@ def bf16_kernel() -> bool:
         return True
     flags, _ = _cpu_flags()
     return built and "avx512_bf16" in flags and "amx_bf16" not in flags
+
+
+# Small bf16 weights (below KERNEL_MAX elements, every weight of the tiny presets) with an even K
+# run on our own bf16 GEMM where `bf16_kernel()`; larger ones keep `bf16_gemm()`'s route.
+KERNEL_MAX = 1 << 20
+
+
+def on_kernel(weight: torch.Tensor) -> bool:
+    """Whether this bf16 weight's linear runs on our own GEMM (see bf16_kernel)."""
+    return weight.numel() < KERNEL_MAX and weight.shape[1] % 2 == 0 and weight.is_cpu and bf16_kernel()

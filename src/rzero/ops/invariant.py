@@ -44,8 +44,9 @@ import functools
 import torch
 
 from rzero.ops import cpu_kernel, weight_copies
-from rzero.ops.gemm_route import BF16_GEMMS, bf16_gemm, bf16_kernel  # noqa: F401  (the rules this linear applies)
+from rzero.ops.gemm_route import BF16_GEMMS, KERNEL_MAX, bf16_gemm, bf16_kernel, on_kernel  # noqa: F401  (the rules this linear applies)
 from rzero.ops.scratch import scratch
+from rzero.ops.cpu_layer import decoder_layer  # noqa: F401  (an op of this numerics, CPU bf16 engines)
 from rzero.ops.invariant_attention import attention, cached_attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401
     ROW_TILE,
@@ -98,16 +99,6 @@ def _fp32_route(weight: torch.Tensor) -> bool:
     """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of the machine, the same
     for the engine and the trainer)."""
     return weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32"
-
-
-# Small bf16 weights (below KERNEL_MAX elements, every weight of the tiny presets) with an even K
-# run on our own bf16 GEMM where `bf16_kernel()`; larger ones keep `bf16_gemm()`'s route.
-KERNEL_MAX = 1 << 20
-
-
-def _on_kernel(weight: torch.Tensor) -> bool:
-    """Whether this bf16 weight's linear runs on our own GEMM (see bf16_kernel)."""
-    return weight.numel() < KERNEL_MAX and weight.shape[1] % 2 == 0 and weight.is_cpu and bf16_kernel()
 
 
 def gemm_operand(weight: torch.Tensor) -> torch.Tensor:
@@ -285,7 +276,7 @@ def _linear_forward(
     flat = x.dim() == 2  # the usual case: no reshapes (each costs about a microsecond)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
-    if weight.dtype == torch.bfloat16 and _on_kernel(weight):
+    if weight.dtype == torch.bfloat16 and on_kernel(weight):
         if x2.dtype != torch.bfloat16:
             raise TypeError(f"invariant linear: input {x.dtype} and weight {weight.dtype} must be of one dtype")
         out = cpu_kernel.bf16_gemm(x2, weight_copies.kernel_panels(weight, may_prepack), weight.shape[0])

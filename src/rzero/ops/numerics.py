@@ -26,6 +26,7 @@ from rzero.ops import invariant as _invariant
 from rzero.ops import sampling as _sampling
 from rzero.ops import standard as _standard
 from rzero.ops.attention_meta import AttentionMeta
+from rzero.ops.cpu_layer import DenseLayerWeights
 from rzero.ops.sampling import SamplingTransform
 
 NUMERICS_MODES = ("invariant", "standard")
@@ -166,6 +167,17 @@ class Numerics:
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k[:real])
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v[:real])
         return self.attention(q, k_cache, v_cache, meta, scale)
+
+    @_op
+    def decoder_layer(
+        self, h: torch.Tensor, weights: DenseLayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta, scale: float,
+    ) -> torch.Tensor | None:
+        """An engine step through a dense decoder layer (its `weights`), where this numerics has it
+        in fewer calls with the bits of the layer's ops one by one (invariant numerics, CPU, bf16
+        weights on rzero's GEMM: rzero/ops/cpu_layer.py); None elsewhere, and the caller runs the ops."""
+        fused = getattr(self._on(h), "decoder_layer", None)
+        return None if fused is None else fused(h, weights, cos, sin, meta, cache, scale)
 
     @_op
     def moe_route(self, router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

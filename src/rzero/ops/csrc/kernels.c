@@ -1169,3 +1169,156 @@ int rz_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t lda, const uin
 
 int rz_bf16_gemm_built(void) { return 0; }
 #endif
+
+/* ---------------------------------------------------------------------------------------------
+   A dense decoder layer of a bf16 model in one call (rzero/ops/cpu_layer.py), for the engine's
+   steps, where the layer's ops one by one cost more in Python around them than in their kernels
+   (tiny models). The same kernels as those ops, on the same rows in the same order, so the same
+   bits; the elementwise ops between them are torch's CPU bf16 ops written out with their bits:
+
+     x = norm(h); q, k, v = x Wqkv; a = cached_attention(q, k, v); h2 = h + a Wo;
+     gate, up = norm(h2) Wgu; out = h2 + (silu(gate) * up) Wdown
+
+   torch computes a bf16 add or multiply in fp32 and rounds to bf16 (nearest even; a NaN becomes
+   0xffff in its vectorised conversion, the one every element of these sizes takes), and silu as
+   x / (1 + exp(-x)) in fp32 with its vector library's expf (torch_exp below). cpu_layer.py checks
+   all of it against torch on every bf16 value once per process before using it. Every row of
+   the padded batch is computed, as the ops do. */
+enum { LD_TOKENS, LD_PADDED, LD_HIDDEN, LD_HEADS, LD_KV_HEADS, LD_HEAD_DIM, LD_BLOCK, LD_TABLE_STRIDE, LD_QKV_N,
+       LD_INTERMEDIATE, LD_COUNT };
+enum { LP_H, LP_INPUT_NORM, LP_QKV, LP_Q_NORM, LP_K_NORM, LP_COS, LP_SIN, LP_SLOTS, LP_K_CACHE, LP_V_CACHE, LP_TABLES,
+       LP_SEQ, LP_POS, LP_O, LP_POST_NORM, LP_GATE_UP, LP_DOWN, LP_OUT, LP_SCRATCH, LP_COUNT };
+
+/* fp32 -> bf16 as torch's vectorised conversion: nearest even, every NaN 0xffff. */
+static inline uint16_t torch_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float power_of_two(int32_t q) {
+    const uint32_t bits = (uint32_t)(q + 127) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* expf as torch's CPU vector code computes it (SLEEF's expf_u10): q = round(d / ln2); s = d - q ln2
+   (ln2 in two parts); a degree-5 polynomial in s; times 2^q in two halves; 0 below -104 and
+   infinity above 100. The clamp only keeps the integer conversion defined where the result is
+   replaced anyway. */
+static inline float torch_exp(float d) {
+    const float c = fmaxf(fminf(d, 100.0f), -104.0f);
+    const int32_t q = (int32_t)nearbyintf(c * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf((float)q, -0.693145751953125f, c);
+    s = fmaf((float)q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    u = u * power_of_two(q >> 1) * power_of_two(q - (q >> 1));
+    if (d < -104.0f) u = 0.0f;
+    if (d > 100.0f) u = INFINITY;
+    return d != d ? d : u;
+}
+
+/* act[r, i] = bf16(bf16(silu(gate[r, i])) * up[r, i]) for gate, up the halves of each gu row. */
+static void silu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t I, uint16_t *act) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gu + r * 2 * I, *up = gate + I;
+        uint16_t *out = act + r * I;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        const __m512i round_bias = _mm512_set1_epi32(0x7fff), low_bit = _mm512_set1_epi32(1);
+        for (; i + 16 <= I; i += 16) {
+            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
+            const __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
+            const __m512 d = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+            const __m512 c = _mm512_max_ps(_mm512_min_ps(d, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
+            const __m512i q = _mm512_cvt_roundps_epi32(
+                _mm512_mul_ps(c, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512 qf = _mm512_cvtepi32_ps(q);
+            __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), c);
+            s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+            __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+            u = _mm512_add_ps(one, _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+            const __m512i half = _mm512_srai_epi32(q, 1);
+            const __m512i bias = _mm512_set1_epi32(127);
+            u = _mm512_mul_ps(_mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23))),
+                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, half), bias), 23)));
+            u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u, _mm512_setzero_ps());
+            u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(100.0f), _CMP_GT_OQ), u,
+                                     _mm512_set1_ps(INFINITY));
+            u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), u, d);
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, u));
+            /* both roundings to bf16 as torch_bf16, sixteen lanes at a time */
+            __m512i bits = _mm512_castps_si512(silu);
+            bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
+                                                      _mm512_and_si512(_mm512_srli_epi32(bits, 16), low_bit)), 16);
+            bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(silu, silu, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0xffff));
+            const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), y);
+            bits = _mm512_castps_si512(product);
+            bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
+                                                      _mm512_and_si512(_mm512_srli_epi32(bits, 16), low_bit)), 16);
+            bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(product, product, _CMP_UNORD_Q), bits,
+                                           _mm512_set1_epi32(0xffff));
+            _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(bits));
+        }
+#endif
+        for (; i < I; i++) {
+            const float x = bf16_value(gate[i]);
+            out[i] = torch_bf16(bf16_value(torch_bf16(x / (1.0f + torch_exp(-x)))) * bf16_value(up[i]));
+        }
+    }
+}
+
+/* out[i] = bf16(a[i] + b[i]) for n elements (out may be b). */
+static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = torch_bf16(bf16_value(a[i]) + bf16_value(b[i]));
+}
+
+/* scratch: padded * (3 * hidden + qkv_n + 2 * H * D + 3 * intermediate) bf16 elements. */
+int rz_decoder_layer(const int64_t *dims, void *const *ptrs, float eps, float scale, int threads) {
+    const int64_t T = dims[LD_PADDED], hidden = dims[LD_HIDDEN], H = dims[LD_HEADS], Hkv = dims[LD_KV_HEADS];
+    const int64_t D = dims[LD_HEAD_DIM], qkv_n = dims[LD_QKV_N], I = dims[LD_INTERMEDIATE];
+    uint16_t *x = ptrs[LP_SCRATCH], *qkv = x + T * hidden, *q_rot = qkv + T * qkv_n, *attn = q_rot + T * H * D;
+    uint16_t *h2 = attn + T * H * D, *gu = h2 + T * hidden, *act = gu + T * 2 * I, *out = ptrs[LP_OUT];
+    int status = rz_rms_norm(ptrs[LP_H], 1, 1, T, 0, hidden, hidden, ptrs[LP_INPUT_NORM], eps, x, threads);
+    if (!status) status = rz_bf16_gemm(x, T, hidden, hidden, ptrs[LP_QKV], qkv_n, qkv, threads);
+    if (!status)
+        status = rz_cached_attention(qkv, qkv + H * D, qkv + (H + Hkv) * D, qkv_n, qkv_n, qkv_n, 1, ptrs[LP_Q_NORM],
+                                     ptrs[LP_K_NORM], eps, ptrs[LP_COS], ptrs[LP_SIN], ptrs[LP_SLOTS], ptrs[LP_K_CACHE],
+                                     ptrs[LP_V_CACHE], q_rot, ptrs[LP_TABLES], dims[LD_TABLE_STRIDE], ptrs[LP_SEQ],
+                                     ptrs[LP_POS], dims[LD_TOKENS], T, H, Hkv, D, dims[LD_BLOCK], scale, attn, threads);
+    if (!status) status = rz_bf16_gemm(attn, T, H * D, H * D, ptrs[LP_O], hidden, h2, threads);
+    if (status) return status;
+    add_bf16(ptrs[LP_H], h2, h2, T * hidden);
+    status = rz_rms_norm(h2, 1, 1, T, 0, hidden, hidden, ptrs[LP_POST_NORM], eps, x, threads);
+    if (!status) status = rz_bf16_gemm(x, T, hidden, hidden, ptrs[LP_GATE_UP], 2 * I, gu, threads);
+    if (status) return status;
+    silu_mul_bf16(gu, T, I, act);
+    status = rz_bf16_gemm(act, T, I, I, ptrs[LP_DOWN], hidden, out, threads);
+    if (!status) add_bf16(h2, out, out, T * hidden);
+    return status;
+}
+
+/* The elementwise parts alone, for cpu_layer.py's check against torch: act = silu_mul of the
+   (rows, 2 I) gu rows, sum = a + b (n elements). */
+void rz_layer_elementwise(const uint16_t *gu, int64_t rows, int64_t I, uint16_t *act, const uint16_t *a,
+                          const uint16_t *b, int64_t n, uint16_t *sum) {
+    silu_mul_bf16(gu, rows, I, act);
+    add_bf16(a, b, sum, n);
+}

@@ -1,0 +1,135 @@
+"""The engine's dense decoder layer in one C call (rzero/ops/cpu_layer.py, csrc/kernels.c
+rz_decoder_layer): its elementwise ops have torch's bits on every bf16 value (and a changed one
+is caught), the layer gives the bits of its ops run one by one for prefill, chunks and decode
+steps on any thread count, the engine's tokens and logprobs do not change, and it stays out of
+every case it does not cover."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_cpu_kernel import PORTABLE, needs_bf16_gemm, needs_kernel
+
+from rzero.engine.engine import Engine
+from rzero.engine.sequence import SamplingParams
+from rzero.model.presets import PRESETS
+from rzero.model.qwen3 import Qwen3ForCausalLM
+from rzero.ops import ATTN_BLOCK, AttentionMeta, cpu_kernel, cpu_layer, gemm_route, invariant
+
+
+@needs_kernel
+def test_the_elementwise_ops_have_torchs_bits_and_a_changed_exp_is_caught(tmp_path):
+    """silu(gate) * up and the residual add against torch on all 65536 bf16 values, native and
+    portable builds; a build whose exp polynomial is off in one coefficient's sixth digit fails."""
+    assert cpu_layer.elementwise_proven()
+    assert cpu_layer.elementwise_proven(cpu_kernel.load(PORTABLE, cache_dir=tmp_path))
+    text = cpu_kernel.SOURCE.read_text()
+    scalar, vector = "u = fmaf(u, s, 0.5f);", "u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));"
+    assert text.count(scalar) == text.count(vector) == 1
+    changed = tmp_path / "kernels.c"
+    changed.write_text(text.replace(scalar, scalar.replace("0.5f", "0.50001f")).replace(vector, vector.replace("0.5f", "0.50001f")))
+    assert not cpu_layer.elementwise_proven(cpu_kernel.load(source=changed, cache_dir=tmp_path))
+
+
+def _bf16_model(seed: int) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM(PRESETS["tiny-dense"][1])
+    model.init_weights(seed)
+    model.to(torch.bfloat16)
+    model.pack_weights()
+    return model
+
+
+def _steps(rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """(q_lens, ctx_lens) of an engine's steps over three sequences: whole prompts, then the first
+    sequence's next chunk beside two decodes, then decode steps."""
+    steps = [([33, 17, 5], [0, 0, 0]), ([20, 1, 1], [33, 17, 5])]
+    ctx = [53, 18, 6]
+    for _ in range(rng.randint(3, 6)):
+        steps.append(([1, 1, 1], list(ctx)))
+        ctx = [c + 1 for c in ctx]
+    return steps
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_layer_gives_the_bits_of_the_layers_ops(threads, monkeypatch):
+    """The same model and steps run twice on their own caches, once on the C layer and once op by
+    op: every step's hidden states and every cache entry equal to the bit, on shuffled blocks."""
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
+    model, rng = _bf16_model(seed=7), random.Random(threads)
+    blocks = list(range(24))
+    rng.shuffle(blocks)
+    tables = [blocks[0:8], blocks[8:16], blocks[16:24]]
+    caches = {"c layer": model.new_kv_caches(24), "ops": model.new_kv_caches(24)}
+    real, used = invariant.decoder_layer, []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        steps = _steps(rng)
+        for q_lens, ctx_lens in steps:
+            meta = AttentionMeta.build(q_lens, ctx_lens, tables, row_tile=model.numerics.row_tile)
+            ids = torch.tensor([rng.randrange(model.config.vocab_size) for _ in range(sum(q_lens))])
+            out = {}
+            for path, layer_fn in (("c layer", lambda *a: used.append(1) or real(*a)), ("ops", lambda *a: None)):
+                monkeypatch.setattr(invariant, "decoder_layer", layer_fn)
+                with torch.inference_mode():
+                    out[path] = model(ids, meta, caches[path])
+            assert torch.equal(out["c layer"].view(torch.int16), out["ops"].view(torch.int16))
+    finally:
+        torch.set_num_threads(previous)
+    assert len(used) == len(steps) * model.config.num_hidden_layers
+    for (k1, v1), (k2, v2) in zip(caches["c layer"], caches["ops"]):
+        assert torch.equal(k1.view(torch.int16), k2.view(torch.int16))
+        assert torch.equal(v1.view(torch.int16), v2.view(torch.int16))
+
+
+@needs_bf16_gemm
+def test_the_engines_tokens_and_logprobs_do_not_change(tiny_dense_dir, monkeypatch):
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(4, 40))] for _ in range(12)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0)
+    real, used = invariant.decoder_layer, []
+    monkeypatch.setattr(invariant, "decoder_layer", lambda *a: used.append(1) or real(*a))
+    engine = Engine(tiny_dense_dir, dtype="bf16")
+    fused = engine.generate(prompts, params)
+    assert used
+    monkeypatch.setattr(invariant, "decoder_layer", lambda *a: None)
+    by_ops = Engine(engine.model, dtype="bf16").generate(prompts, params)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in by_ops]
+    assert [o.logprobs for o in fused] == [o.logprobs for o in by_ops]
+
+
+@needs_kernel
+def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
+    """fp32, a gradient wanted, weights not packed, weights off our GEMM, an MLP width with a
+    scalar tail in torch's silu, an MoE layer: each runs the layer's ops."""
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
+    model = _bf16_model(seed=1)
+    layer = model.model.layers[0]
+    weights = layer.dense_weights()
+    assert weights is not None
+    cache = model.new_kv_caches(4)[0]
+    meta = AttentionMeta.build([3], [0], [[0]], row_tile=model.numerics.row_tile)
+    h = torch.randn(meta.padded_tokens, model.config.hidden_size).bfloat16()
+    cos = model.rope_cos[meta.positions].bfloat16().unsqueeze(1)
+    sin = model.rope_sin[meta.positions].bfloat16().unsqueeze(1)
+    with torch.inference_mode():
+        assert cpu_layer.decoder_layer(h, weights, cos, sin, meta, cache, 0.1) is not None
+        assert cpu_layer.decoder_layer(h.float(), weights, cos, sin, meta, cache, 0.1) is None
+        narrow = weights._replace(gate_up_sizes=[500, 500])
+        assert cpu_layer.decoder_layer(h, narrow, cos, sin, meta, cache, 0.1) is None
+        monkeypatch.setattr(gemm_route, "KERNEL_MAX", 1)
+        assert cpu_layer.decoder_layer(h, weights, cos, sin, meta, cache, 0.1) is None
+    trained = weights._replace(down=weights.down.detach().clone().requires_grad_())
+    monkeypatch.setattr(gemm_route, "KERNEL_MAX", 1 << 20)
+    assert cpu_layer.decoder_layer(h, trained, cos, sin, meta, cache, 0.1) is None
+    unpacked = Qwen3ForCausalLM(PRESETS["tiny-dense"][1]).to(torch.bfloat16)
+    assert unpacked.model.layers[0].dense_weights() is None
+    moe_cls, moe_config = PRESETS["tiny-moe"]
+    moe = moe_cls(moe_config).to(torch.bfloat16)
+    moe.pack_weights()
+    assert all(layer.dense_weights() is None for layer in moe.model.layers)
+    assert ATTN_BLOCK == cache[0].shape[1]
