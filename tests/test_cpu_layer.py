@@ -6,6 +6,7 @@ every case it does not cover."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -116,16 +117,24 @@ def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
     h = torch.randn(meta.padded_tokens, model.config.hidden_size).bfloat16()
     cos = model.rope_cos[meta.positions].bfloat16().unsqueeze(1)
     sin = model.rope_sin[meta.positions].bfloat16().unsqueeze(1)
+    def fresh(**changes):  # a copy with no argument plan yet
+        return dataclasses.replace(weights, **changes)
+
     with torch.inference_mode():
-        assert cpu_layer.decoder_layer(h, weights, cos, sin, meta, cache, 0.1) is not None
-        assert cpu_layer.decoder_layer(h.float(), weights, cos, sin, meta, cache, 0.1) is None
-        narrow = weights._replace(gate_up_sizes=[500, 500])
-        assert cpu_layer.decoder_layer(h, narrow, cos, sin, meta, cache, 0.1) is None
+        assert cpu_layer.decoder_layer(h, fresh(), cos, sin, meta, cache, 0.1) is not None
+        assert cpu_layer.decoder_layer(h.float(), fresh(), cos, sin, meta, cache, 0.1) is None
+        assert cpu_layer.decoder_layer(h, fresh(gate_up_sizes=[500, 500]), cos, sin, meta, cache, 0.1) is None
         monkeypatch.setattr(gemm_route, "KERNEL_MAX", 1)
-        assert cpu_layer.decoder_layer(h, weights, cos, sin, meta, cache, 0.1) is None
-    trained = weights._replace(down=weights.down.detach().clone().requires_grad_())
+        assert cpu_layer.decoder_layer(h, fresh(), cos, sin, meta, cache, 0.1) is None
     monkeypatch.setattr(gemm_route, "KERNEL_MAX", 1 << 20)
+    trained = fresh(down=weights.down.detach().clone().requires_grad_())
     assert cpu_layer.decoder_layer(h, trained, cos, sin, meta, cache, 0.1) is None
+    # kept by the layer while current; a cast, or a parameter put in another's place, is seen
+    assert layer.dense_weights() is weights
+    layer.input_layernorm.weight = torch.nn.Parameter(layer.input_layernorm.weight.detach().clone())
+    assert layer.dense_weights() is not weights and layer.dense_weights() is layer.dense_weights()
+    model.float()
+    assert layer.dense_weights() is None  # the packed weights are no longer what the layer multiplies
     unpacked = Qwen3ForCausalLM(PRESETS["tiny-dense"][1]).to(torch.bfloat16)
     assert unpacked.model.layers[0].dense_weights() is None
     moe_cls, moe_config = PRESETS["tiny-moe"]

@@ -11,6 +11,7 @@ The forward pass works on a flat list of tokens from any number of sequences, de
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -200,6 +201,11 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim), nx)
 
 
+# Each layer's DenseLayerWeights, beside the layer rather than on it: copies and pickles of a model
+# (an engine's own copy, a Ray actor's) build their own.
+_DENSE_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, DenseLayerWeights] = weakref.WeakKeyDictionary()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer: int):
         super().__init__()
@@ -230,22 +236,24 @@ class DecoderLayer(nn.Module):
 
     def dense_weights(self) -> DenseLayerWeights | None:
         """This layer's weights for `Numerics.decoder_layer`: a dense MLP, q/k/v and gate/up packed
-        (`Qwen3ForCausalLM.pack_weights`); None otherwise."""
+        (`Qwen3ForCausalLM.pack_weights`); None otherwise. Kept while they are current."""
+        kept = _DENSE_WEIGHTS.get(self)
+        if kept is not None and kept.current():
+            return kept
         attn, mlp = self.self_attn, self.mlp
         if type(mlp) is not MLP:
             return None
         qkv, gate_up = attn.__dict__.get("packed"), mlp.__dict__.get("packed")
-        if (
-            qkv is None or gate_up is None
-            or not qkv.usable([attn.q_proj, attn.k_proj, attn.v_proj])
-            or not gate_up.usable([mlp.gate_proj, mlp.up_proj])
-        ):
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        if qkv is None or gate_up is None or not qkv.usable(projections[0]) or not gate_up.usable(projections[1]):
             return None
-        return DenseLayerWeights(
+        norms = [self.input_layernorm, attn.q_norm, attn.k_norm, self.post_attention_layernorm]
+        kept = _DENSE_WEIGHTS[self] = DenseLayerWeights(
             self.input_layernorm.weight, qkv.weight, attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
             self.post_attention_layernorm.weight, gate_up.weight, gate_up.sizes, mlp.down_proj.weight,
-            self.input_layernorm.eps,
+            self.input_layernorm.eps, sources=(*norms, *projections[0], attn.o_proj, *projections[1], mlp.down_proj),
         )
+        return kept
 
 
 class Backbone(nn.Module):

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from rzero.ops import cpu_kernel, weight_copies
 from rzero.ops.attention_meta import AttentionMeta
@@ -27,8 +28,13 @@ from rzero.ops.invariant_rows import ELEMENTWISE_TILE, silu_mul
 from rzero.ops.scratch import scratch
 
 
-class DenseLayerWeights(NamedTuple):
-    """A dense Qwen3 decoder layer's weights, q/k/v and gate/up each one packed (N, K) tensor."""
+@dataclass(eq=False)
+class DenseLayerWeights:
+    """A dense Qwen3 decoder layer's weights, q/k/v and gate/up each one packed (N, K) tensor, as
+    the model hands them to `Numerics.decoder_layer`. `sources`: the modules whose `weight`
+    parameters these are or are views of; `current()` says whether they still are, at the same
+    addresses (a cast or a reassigned parameter makes the model build a new one). The C call's
+    arguments are kept with it (`plan`), so a step only fills in what changes."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -39,7 +45,16 @@ class DenseLayerWeights(NamedTuple):
     gate_up: torch.Tensor
     gate_up_sizes: list[int]
     down: torch.Tensor
-    eps: float
+    eps: float  # every norm's (one config value)
+    sources: tuple[nn.Module, ...] = ()
+    plan: _Plan | None | bool = field(default=None, init=False, repr=False)  # False: the C layer does not apply
+    _watched: list = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self):
+        self._watched = [(m._parameters, m._parameters["weight"], m._parameters["weight"].data_ptr()) for m in self.sources]
+
+    def current(self) -> bool:
+        return all(params["weight"] is weight and weight.data_ptr() == ptr for params, weight, ptr in self._watched)
 
 
 def _bound(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -76,23 +91,82 @@ def elementwise_proven(lib: ctypes.CDLL | None = None) -> bool:
         )
 
 
-def _applies(h: torch.Tensor, w: DenseLayerWeights, cos: torch.Tensor, sin: torch.Tensor, cache) -> bool:
-    """Whether each of the layer's ops would run what the C layer runs: the C library is built and
-    its elementwise ops proven, every tensor is a bf16 CPU tensor that wants no gradient, every
-    linear is on our GEMM, the gate and up halves are as wide and the MLP width a multiple of
-    ELEMENTWISE_TILE (torch's silu has no scalar tail), the caches and the hidden rows are
-    contiguous, the head size even (the rotary kernel's)."""
-    k_cache, v_cache = cache
-    tensors = (h, w.input_norm, w.qkv, w.q_norm, w.k_norm, w.o, w.post_norm, w.gate_up, w.down, cos, sin, k_cache, v_cache)
+def _weights_apply(w: DenseLayerWeights) -> bool:
+    """Whether every op of a layer with these weights runs what the C layer runs (checked once per
+    weights): the C library is built and its elementwise ops proven, every weight is a bf16 CPU
+    tensor, every linear on our GEMM, the gate and up halves as wide as the MLP and that width a
+    multiple of ELEMENTWISE_TILE (torch's silu then has no scalar tail)."""
+    tensors = (w.input_norm, w.qkv, w.q_norm, w.k_norm, w.o, w.post_norm, w.gate_up, w.down)
     return (
         all(t.dtype == torch.bfloat16 and t.is_cpu for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and all(on_kernel(weight) for weight in (w.qkv, w.o, w.gate_up, w.down))
         and w.gate_up_sizes[0] == w.gate_up_sizes[1] == w.down.shape[1] and w.down.shape[1] % ELEMENTWISE_TILE == 0
-        and h.dim() == 2 and h.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-        and k_cache.shape[-1] % 2 == 0
         and elementwise_proven()
     )
+
+
+def _inputs_apply(h: torch.Tensor, w: DenseLayerWeights, cos: torch.Tensor, sin: torch.Tensor, cache) -> bool:
+    """Per call: bf16 CPU inputs and caches, contiguous, no gradient wanted, an even head size (the
+    rotary kernel's)."""
+    k_cache, v_cache = cache
+    tensors = (h, cos, sin, k_cache, v_cache)
+    return (
+        all(t.dtype == torch.bfloat16 and t.is_cpu for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, w.qkv, w.o, w.gate_up, w.down)))
+        and h.dim() == 2 and h.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and k_cache.shape[-1] % 2 == 0
+    )
+
+
+# csrc/kernels.c's LD_* and LP_* indices of what changes from call to call
+_DIMS = ("tokens", "rows", "hidden", "heads", "kv_heads", "head_dim", "block", "table_stride", "qkv_n", "width")
+_PTRS = ("h", "input_norm", "qkv", "q_norm", "k_norm", "cos", "sin", "slots", "k_cache", "v_cache", "tables", "seq",
+         "pos", "o", "post_norm", "gate_up", "down", "out", "work")
+
+
+class _Plan:
+    """rz_decoder_layer's argument arrays for one layer's weights: the weights' pointers written
+    once, their GEMM layouts again whenever a weight changes in place (its version moves:
+    Engine.update_weights), the step's tensors on every call."""
+
+    def __init__(self, w: DenseLayerWeights):
+        self.lib = _bound(cpu_kernel.library())
+        self.weights = w
+        self.dims = (ctypes.c_int64 * len(_DIMS))()
+        self.ptrs = (ctypes.c_int64 * len(_PTRS))()
+        self.dims_at, self.ptrs_at = ctypes.addressof(self.dims), ctypes.addressof(self.ptrs)
+        for name in ("input_norm", "q_norm", "k_norm", "post_norm"):
+            self.ptrs[_PTRS.index(name)] = getattr(w, name).data_ptr()
+        self.dims[_DIMS.index("hidden")], self.dims[_DIMS.index("qkv_n")] = w.o.shape[0], w.qkv.shape[0]
+        self.dims[_DIMS.index("width")] = w.down.shape[1]
+        self.versions: tuple[int, ...] = ()
+        self.panels: tuple[torch.Tensor, ...] = ()
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta, cache, scale: float):
+        w, dims, ptrs = self.weights, self.dims, self.ptrs
+        linears = (w.qkv, w.o, w.gate_up, w.down)
+        versions = tuple(weight._version for weight in linears)
+        if versions != self.versions:
+            self.panels = tuple(weight_copies.kernel_panels(weight, True) for weight in linears)
+            for name, panel in zip(("qkv", "o", "gate_up", "down"), self.panels):
+                ptrs[_PTRS.index(name)] = panel.data_ptr()
+            self.versions = versions
+        k_cache, v_cache = cache
+        rows, hidden = h.shape
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        heads = w.qkv.shape[0] // head_dim - 2 * kv_heads
+        tables, seq, pos = cpu_kernel._token_index(meta)
+        cos, sin = cos.contiguous(), sin.contiguous()  # (rows, 1, head_dim): rows of the rotary table
+        width = w.down.shape[1]
+        work = scratch("decoder_layer", -(-rows * (3 * hidden + w.qkv.shape[0] + 2 * heads * head_dim + 3 * width) // 2))
+        out = torch.empty_like(h)
+        dims[0], dims[1], dims[3], dims[4], dims[5], dims[6], dims[7] = (
+            meta.num_tokens, rows, heads, kv_heads, head_dim, k_cache.shape[1], tables.shape[1])
+        ptrs[0], ptrs[5], ptrs[6], ptrs[7], ptrs[8], ptrs[9], ptrs[10], ptrs[11], ptrs[12], ptrs[17], ptrs[18] = (
+            h.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), tables.data_ptr(), seq.data_ptr(), pos.data_ptr(), out.data_ptr(), work.data_ptr())
+        cpu_kernel._check(self.lib.rz_decoder_layer(self.dims_at, self.ptrs_at, w.eps, scale, torch.get_num_threads()))
+        return out
 
 
 def decoder_layer(
@@ -101,24 +175,9 @@ def decoder_layer(
 ) -> torch.Tensor | None:
     """h (padded tokens, hidden) through the layer: h2 = h + attention(norm(h)) Wo, then
     h2 + down(silu(gate) * up) of norm(h2), the keys and values written into `cache`; None where
-    the C layer does not apply (`_applies`), and the caller runs the layer's ops."""
-    if not _applies(h, w, cos, sin, cache):
+    the C layer does not apply, and the caller runs the layer's ops."""
+    if w.plan is None:
+        w.plan = _Plan(w) if _weights_apply(w) else False
+    if w.plan is False or not _inputs_apply(h, w, cos, sin, cache):
         return None
-    lib = _bound(cpu_kernel.library())
-    k_cache, v_cache = cache
-    rows, hidden = h.shape
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    heads, width = w.qkv.shape[0] // head_dim - 2 * kv_heads, w.down.shape[1]
-    cos, sin = cos.contiguous(), sin.contiguous()  # (rows, 1, head_dim): rows of the rotary table
-    tables, seq, pos = cpu_kernel._token_index(meta)
-    qkv, o, gate_up, down = (weight_copies.kernel_panels(weight, True) for weight in (w.qkv, w.o, w.gate_up, w.down))
-    work = scratch("decoder_layer", -(-rows * (3 * hidden + w.qkv.shape[0] + 2 * heads * head_dim + 3 * width) // 2))
-    out = torch.empty_like(h)
-    dims = torch.tensor([meta.num_tokens, rows, hidden, heads, kv_heads, head_dim, k_cache.shape[1], tables.shape[1],
-                         w.qkv.shape[0], width], dtype=torch.int64)
-    # In the order of csrc/kernels.c's LP_* names; every tensor is held until the call returns.
-    ptrs = torch.tensor([t.data_ptr() for t in (
-        h, w.input_norm, qkv, w.q_norm, w.k_norm, cos, sin, meta.slot_mapping, k_cache, v_cache, tables, seq, pos, o,
-        w.post_norm, gate_up, down, out, work)], dtype=torch.int64)
-    cpu_kernel._check(lib.rz_decoder_layer(dims.data_ptr(), ptrs.data_ptr(), w.eps, scale, torch.get_num_threads()))
-    return out
+    return w.plan.run(h, cos, sin, meta, cache, scale)
