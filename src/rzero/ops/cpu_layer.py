@@ -118,10 +118,14 @@ def _inputs_apply(h: torch.Tensor, w: DenseLayerWeights, cos: torch.Tensor, sin:
     )
 
 
-# csrc/kernels.c's LD_* and LP_* indices of what changes from call to call
+# rz_decoder_layer's arguments, in the order of csrc/kernels.c's LD_* and LP_* names
 _DIMS = ("tokens", "rows", "hidden", "heads", "kv_heads", "head_dim", "block", "table_stride", "qkv_n", "width")
 _PTRS = ("h", "input_norm", "qkv", "q_norm", "k_norm", "cos", "sin", "slots", "k_cache", "v_cache", "tables", "seq",
          "pos", "o", "post_norm", "gate_up", "down", "out", "work")
+# those that change from call to call, filled in by _Plan.run in this order
+_STEP_DIMS = [_DIMS.index(n) for n in ("tokens", "rows", "heads", "kv_heads", "head_dim", "block", "table_stride")]
+_STEP_PTRS = [_PTRS.index(n) for n in ("h", "cos", "sin", "slots", "k_cache", "v_cache", "tables", "seq", "pos", "out",
+                                       "work")]
 
 
 class _Plan:
@@ -160,11 +164,10 @@ class _Plan:
         width = w.down.shape[1]
         work = scratch("decoder_layer", -(-rows * (3 * hidden + w.qkv.shape[0] + 2 * heads * head_dim + 3 * width) // 2))
         out = torch.empty_like(h)
-        dims[0], dims[1], dims[3], dims[4], dims[5], dims[6], dims[7] = (
-            meta.num_tokens, rows, heads, kv_heads, head_dim, k_cache.shape[1], tables.shape[1])
-        ptrs[0], ptrs[5], ptrs[6], ptrs[7], ptrs[8], ptrs[9], ptrs[10], ptrs[11], ptrs[12], ptrs[17], ptrs[18] = (
-            h.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), tables.data_ptr(), seq.data_ptr(), pos.data_ptr(), out.data_ptr(), work.data_ptr())
+        for i, value in zip(_STEP_DIMS, (meta.num_tokens, rows, heads, kv_heads, head_dim, k_cache.shape[1], tables.shape[1])):
+            dims[i] = value
+        for i, t in zip(_STEP_PTRS, (h, cos, sin, meta.slot_mapping, k_cache, v_cache, tables, seq, pos, out, work)):
+            ptrs[i] = t.data_ptr()
         cpu_kernel._check(self.lib.rz_decoder_layer(self.dims_at, self.ptrs_at, w.eps, scale, torch.get_num_threads()))
         return out
 
