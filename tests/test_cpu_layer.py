@@ -1,8 +1,8 @@
 """The engine's dense decoder layer in one C call (rzero/ops/cpu_layer.py, csrc/kernels.c
-rz_decoder_layer): its elementwise ops have torch's bits on every bf16 value (and a changed one
-is caught), the layer gives the bits of its ops run one by one for prefill, chunks and decode
-steps on any thread count, the engine's tokens and logprobs do not change, and it stays out of
-every case it does not cover."""
+rz_decoder_layer), bf16 and fp32: its elementwise ops have torch's bits (and a changed one is
+caught), its fp32 GEMM the invariant linear's where the K blocks are proven, the layer gives the
+bits of its ops run one by one for prefill, chunks and decode steps on 1 and 2 threads, the
+engine's tokens and logprobs do not change, and it stays out of every case it does not cover."""
 
 from __future__ import annotations
 
@@ -17,27 +17,56 @@ from rzero.engine.engine import Engine
 from rzero.engine.sequence import SamplingParams
 from rzero.model.presets import PRESETS
 from rzero.model.qwen3 import Qwen3ForCausalLM
-from rzero.ops import ATTN_BLOCK, AttentionMeta, cpu_kernel, cpu_layer, gemm_route, invariant
+from rzero.ops import AttentionMeta, cpu_kernel, cpu_layer, gemm_route, invariant
 
 
 @needs_kernel
-def test_the_elementwise_ops_have_torchs_bits_and_a_changed_exp_is_caught(tmp_path):
-    """silu(gate) * up and the residual add against torch on all 65536 bf16 values, native and
-    portable builds; a build whose exp polynomial is off in one coefficient's sixth digit fails."""
-    assert cpu_layer.elementwise_proven()
-    assert cpu_layer.elementwise_proven(cpu_kernel.load(PORTABLE, cache_dir=tmp_path))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_elementwise_ops_have_torchs_bits_and_a_changed_exp_is_caught(dtype, tmp_path):
+    """silu(gate) * up and the residual add against torch (all 65536 bf16 values; for fp32 also
+    random bit patterns and magnitudes), native and portable builds; a build whose exp polynomial
+    is off in one coefficient's sixth digit fails."""
+    assert cpu_layer.elementwise_proven(dtype)
+    assert cpu_layer.elementwise_proven(dtype, cpu_kernel.load(PORTABLE, cache_dir=tmp_path))
     text = cpu_kernel.SOURCE.read_text()
-    scalar, vector = "u = fmaf(u, s, 0.5f);", "u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));"
-    assert text.count(scalar) == text.count(vector) == 1
+    assert text.count("#define EXP_C0 0.5f") == 1
     changed = tmp_path / "kernels.c"
-    changed.write_text(text.replace(scalar, scalar.replace("0.5f", "0.50001f")).replace(vector, vector.replace("0.5f", "0.50001f")))
-    assert not cpu_layer.elementwise_proven(cpu_kernel.load(source=changed, cache_dir=tmp_path))
+    changed.write_text(text.replace("#define EXP_C0 0.5f", "#define EXP_C0 0.50001f"))
+    assert not cpu_layer.elementwise_proven(dtype, cpu_kernel.load(source=changed, cache_dir=tmp_path))
 
 
-def _bf16_model(seed: int) -> Qwen3ForCausalLM:
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fp32_gemm_gets_the_invariant_linears_bits_where_its_k_blocks_are_proven(threads, tmp_path):
+    """f32_kblock finds the K block that gives the invariant linear's bits for the tiny presets'
+    shapes (K = 128, 512) and a two-halves one (K = 256); another block gives other bits, and the
+    portable build (scalar fmaf) the same bits as the native one."""
+    from rzero.ops import invariant
+
+    portable = cpu_kernel.load(PORTABLE, cache_dir=tmp_path)
+    gen = torch.Generator().manual_seed(threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for K, N in [(128, 256), (512, 128), (256, 96)]:
+            kblock = cpu_layer.f32_kblock(K, N, threads)
+            assert kblock is not None
+            x, w = torch.randn(37, K, generator=gen), torch.randn(N, K, generator=gen)
+            packed = cpu_layer.f32_pack(w)
+            with torch.no_grad():
+                expected = torch.cat([invariant.linear(rows, w) for rows in x.split(16)])
+            assert torch.equal(cpu_layer.f32_gemm(x, packed, N, kblock), expected)
+            assert torch.equal(cpu_layer.f32_gemm(x, packed, N, kblock, lib=portable), expected)
+            if K > 192:  # one chain over the whole K is not torch's sum here
+                assert not torch.equal(cpu_layer.f32_gemm(x, packed, N, K), expected)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _model(seed: int, dtype: torch.dtype = torch.bfloat16) -> Qwen3ForCausalLM:
     model = Qwen3ForCausalLM(PRESETS["tiny-dense"][1])
     model.init_weights(seed)
-    model.to(torch.bfloat16)
+    model.to(dtype)
     model.pack_weights()
     return model
 
@@ -53,13 +82,13 @@ def _steps(rng: random.Random) -> list[tuple[list[int], list[int]]]:
     return steps
 
 
-@needs_bf16_gemm
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_gemm), pytest.param(torch.float32, marks=needs_kernel)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_c_layer_gives_the_bits_of_the_layers_ops(threads, monkeypatch):
+def test_the_c_layer_gives_the_bits_of_the_layers_ops(dtype, threads, monkeypatch):
     """The same model and steps run twice on their own caches, once on the C layer and once op by
     op: every step's hidden states and every cache entry equal to the bit, on shuffled blocks."""
     monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
-    model, rng = _bf16_model(seed=7), random.Random(threads)
+    model, rng = _model(seed=7, dtype=dtype), random.Random(threads)
     blocks = list(range(24))
     rng.shuffle(blocks)
     tables = [blocks[0:8], blocks[8:16], blocks[16:24]]
@@ -86,29 +115,30 @@ def test_the_c_layer_gives_the_bits_of_the_layers_ops(threads, monkeypatch):
         assert torch.equal(v1.view(torch.int16), v2.view(torch.int16))
 
 
-@needs_bf16_gemm
-def test_the_engines_tokens_and_logprobs_do_not_change(tiny_dense_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=needs_bf16_gemm), pytest.param("fp32", marks=needs_kernel)])
+def test_the_engines_tokens_and_logprobs_do_not_change(dtype, tiny_dense_dir, monkeypatch):
     monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(4, 40))] for _ in range(12)]
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0)
     real, used = invariant.decoder_layer, []
     monkeypatch.setattr(invariant, "decoder_layer", lambda *a: used.append(1) or real(*a))
-    engine = Engine(tiny_dense_dir, dtype="bf16")
+    engine = Engine(tiny_dense_dir, dtype=dtype)
     fused = engine.generate(prompts, params)
     assert used
     monkeypatch.setattr(invariant, "decoder_layer", lambda *a: None)
-    by_ops = Engine(engine.model, dtype="bf16").generate(prompts, params)
+    by_ops = Engine(engine.model, dtype=dtype).generate(prompts, params)
     assert [o.token_ids for o in fused] == [o.token_ids for o in by_ops]
     assert [o.logprobs for o in fused] == [o.logprobs for o in by_ops]
 
 
 @needs_kernel
 def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
-    """fp32, a gradient wanted, weights not packed, weights off our GEMM, an MLP width with a
-    scalar tail in torch's silu, an MoE layer: each runs the layer's ops."""
+    """A dtype other than the weights', a gradient wanted, weights not packed, bf16 weights off
+    our GEMM, fp32 weights whose K blocks are not proven, an MLP width with a scalar tail in
+    torch's silu, an MoE layer: each runs the layer's ops."""
     monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
-    model = _bf16_model(seed=1)
+    model = _model(seed=1)
     layer = model.model.layers[0]
     weights = layer.dense_weights()
     assert weights is not None
@@ -117,6 +147,7 @@ def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
     h = torch.randn(meta.padded_tokens, model.config.hidden_size).bfloat16()
     cos = model.rope_cos[meta.positions].bfloat16().unsqueeze(1)
     sin = model.rope_sin[meta.positions].bfloat16().unsqueeze(1)
+
     def fresh(**changes):  # a copy with no argument plan yet
         return dataclasses.replace(weights, **changes)
 
@@ -129,6 +160,14 @@ def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
     monkeypatch.setattr(gemm_route, "KERNEL_MAX", 1 << 20)
     trained = fresh(down=weights.down.detach().clone().requires_grad_())
     assert cpu_layer.decoder_layer(h, trained, cos, sin, meta, cache, 0.1) is None
+    # fp32: on where every K block is proven, off where one is not
+    model32 = _model(seed=1, dtype=torch.float32)
+    weights32, cache32 = model32.model.layers[0].dense_weights(), model32.new_kv_caches(4)[0]
+    with torch.inference_mode():
+        args = (h.float(), cos.float(), sin.float(), meta, cache32, 0.1)
+        assert cpu_layer.decoder_layer(args[0], dataclasses.replace(weights32), *args[1:]) is not None
+        monkeypatch.setattr(cpu_layer, "f32_kblock", lambda K, N, threads: None if K == 512 else 128)
+        assert cpu_layer.decoder_layer(args[0], dataclasses.replace(weights32), *args[1:]) is None
     # kept by the layer while current; a cast, or a parameter put in another's place, is seen
     assert layer.dense_weights() is weights
     layer.input_layernorm.weight = torch.nn.Parameter(layer.input_layernorm.weight.detach().clone())
@@ -141,4 +180,3 @@ def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
     moe = moe_cls(moe_config).to(torch.bfloat16)
     moe.pack_weights()
     assert all(layer.dense_weights() is None for layer in moe.model.layers)
-    assert ATTN_BLOCK == cache[0].shape[1]

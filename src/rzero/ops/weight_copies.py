@@ -67,6 +67,13 @@ def kernel_panels(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
     return _kept_beside(weight, may_cache, "kernel", lambda: cpu_kernel.bf16_pack(weight))
 
 
+def f32_kernel_panels(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
+    """The fp32 weight in the layout of rzero's fp32 GEMM (rzero/ops/cpu_layer.py, f32_pack)."""
+    from rzero.ops.cpu_layer import f32_pack  # (cpu_layer imports this module)
+
+    return _kept_beside(weight, may_cache, "f32 kernel", lambda: f32_pack(weight))
+
+
 def widened(weight: torch.Tensor, may_cache: bool) -> torch.Tensor:
     """The bf16 weight as a contiguous (N, K) fp32 tensor, the layout of an fp32 model's weight (it
     decides the fp32 GEMM's bits)."""

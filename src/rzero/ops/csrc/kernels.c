@@ -1063,6 +1063,9 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
    rate (docs/benchmarks.md, fourteenth session). */
 #define GEMM_ROWS 6
 #define GEMM_COLS 32
+/* From this many multiply-adds per thread on, a call splits its tiles over the threads (below it
+   the threads' start costs more than they save). */
+#define GEMM_MACS_PER_THREAD (1 << 20)
 
 int rz_bf16_pack(const uint16_t *w, int64_t N, int64_t K, int64_t stride_n, int64_t stride_k, uint16_t *out) {
     if (K % 2) return 4;
@@ -1139,9 +1142,6 @@ static void *run_gemm(void *arg) {
     return NULL;
 }
 
-/* From this many multiply-adds per thread on, a call splits its tiles over the threads (below it
-   the threads' start costs more than they save). */
-#define GEMM_MACS_PER_THREAD (1 << 20)
 
 int rz_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t lda, const uint16_t *packed, int64_t N, uint16_t *out,
                  int threads) {
@@ -1171,21 +1171,125 @@ int rz_bf16_gemm_built(void) { return 0; }
 #endif
 
 /* ---------------------------------------------------------------------------------------------
-   A dense decoder layer of a bf16 model in one call (rzero/ops/cpu_layer.py), for the engine's
-   steps, where the layer's ops one by one cost more in Python around them than in their kernels
-   (tiny models). The same kernels as those ops, on the same rows in the same order, so the same
-   bits; the elementwise ops between them are torch's CPU bf16 ops written out with their bits:
+   An fp32 GEMM with the bits of this machine's torch.mm on fp32 (N, K) weights at the shapes where
+   cpu_layer.py's probe proves them (rzero/ops/cpu_layer.py, f32_kblock): each output one sum on one
+   thread, K cut into blocks of `kblock` from k = 0 (the last one shorter), each block a chain of
+   fused multiply-adds from zero in k order, the blocks' sums added in order. MKL's sgemm sums so
+   here (one block up to K = 192, two halves up to 384, blocks of 192 beyond); a probe, not this
+   comment, decides where it is used. Weight packed in panels of 32 columns, k-major. */
+int rz_f32_pack(const float *w, int64_t N, int64_t K, float *out) {
+    const int64_t panels = (N + GEMM_COLS - 1) / GEMM_COLS;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < GEMM_COLS; j++) {
+                const int64_t n = p * GEMM_COLS + j;
+                out[(p * K + k) * GEMM_COLS + j] = n < N ? w[n * K + k] : 0.0f;
+            }
+    return 0;
+}
+
+typedef struct {
+    const float *x, *packed;
+    float *out;
+    int64_t M, K, N, lda, kblock, first, last; /* tiles [first, last), as GemmJob's */
+} F32GemmJob;
+
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t lda, int64_t rows,
+                                                            const float *panel, int64_t K, int64_t kblock, float *out,
+                                                            int64_t ldc, int64_t cols) {
+#if defined(__AVX512F__)
+    __m512 total[GEMM_ROWS][2], acc[GEMM_ROWS][2];
+    for (int64_t k0 = 0; k0 < K; k0 += kblock) {
+        const int64_t end = k0 + kblock < K ? k0 + kblock : K;
+        for (int r = 0; r < GEMM_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < end; k++) {
+            const __m512 lo = _mm512_loadu_ps(panel + k * GEMM_COLS), hi = _mm512_loadu_ps(panel + k * GEMM_COLS + 16);
+            for (int r = 0; r < GEMM_ROWS; r++)
+                if (r < rows) {
+                    const __m512 a = _mm512_set1_ps(x[r * lda + k]);
+                    acc[r][0] = _mm512_fmadd_ps(a, lo, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(a, hi, acc[r][1]);
+                }
+        }
+        for (int r = 0; r < GEMM_ROWS; r++) {
+            total[r][0] = k0 == 0 ? acc[r][0] : _mm512_add_ps(total[r][0], acc[r][0]);
+            total[r][1] = k0 == 0 ? acc[r][1] : _mm512_add_ps(total[r][1], acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float row[GEMM_COLS];
+        _mm512_storeu_ps(row, total[r][0]);
+        _mm512_storeu_ps(row + 16, total[r][1]);
+        memcpy(out + r * ldc, row, (size_t)cols * sizeof(float));
+    }
+#else
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) {
+            float total = 0.0f;
+            for (int64_t k0 = 0; k0 < K; k0 += kblock) {
+                const int64_t end = k0 + kblock < K ? k0 + kblock : K;
+                float acc = 0.0f;
+                for (int64_t k = k0; k < end; k++) acc = fmaf(x[r * lda + k], panel[k * GEMM_COLS + j], acc);
+                total = k0 == 0 ? acc : total + acc;
+            }
+            out[r * ldc + j] = total;
+        }
+#endif
+}
+
+static void *run_f32_gemm(void *arg) {
+    const F32GemmJob *job = (const F32GemmJob *)arg;
+    const int64_t panels = (job->N + GEMM_COLS - 1) / GEMM_COLS;
+    int64_t m = job->first / panels * GEMM_ROWS, p = job->first % panels;
+    for (int64_t t = job->first; t < job->last; t++) {
+        const int64_t rows = job->M - m < GEMM_ROWS ? job->M - m : GEMM_ROWS;
+        const int64_t cols = job->N - p * GEMM_COLS < GEMM_COLS ? job->N - p * GEMM_COLS : GEMM_COLS;
+        const float *x = job->x + m * job->lda, *panel = job->packed + p * job->K * GEMM_COLS;
+        float *out = job->out + m * job->N + p * GEMM_COLS;
+        if (rows == GEMM_ROWS)
+            f32_tile(x, job->lda, GEMM_ROWS, panel, job->K, job->kblock, out, job->N, cols);
+        else
+            f32_tile(x, job->lda, rows, panel, job->K, job->kblock, out, job->N, cols);
+        if (++p == panels) {
+            p = 0;
+            m += GEMM_ROWS;
+        }
+    }
+    return NULL;
+}
+
+int rz_f32_gemm(const float *x, int64_t M, int64_t K, int64_t lda, const float *packed, int64_t N, int64_t kblock,
+                float *out, int threads) {
+    if (kblock < 1) return 4;
+    const int64_t tiles = (M + GEMM_ROWS - 1) / GEMM_ROWS * ((N + GEMM_COLS - 1) / GEMM_COLS);
+    const int64_t most = M * N * K / GEMM_MACS_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    if (threads > tiles) threads = tiles > 0 ? (int)tiles : 1;
+    if (threads > 64) threads = 64;
+    F32GemmJob jobs[64];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (F32GemmJob){x, packed, out, M, K, N, lda, kblock, tiles * i / threads, tiles * (i + 1) / threads};
+    return run_parallel(run_f32_gemm, jobs, sizeof(F32GemmJob), threads);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   A dense decoder layer in one call (rzero/ops/cpu_layer.py), for the engine's steps, where the
+   layer's ops one by one cost more in Python around them than in their kernels (tiny models). The
+   same kernels as those ops, on the same rows in the same order, so the same bits; the
+   elementwise ops between them are torch's CPU ops written out with their bits:
 
      x = norm(h); q, k, v = x Wqkv; a = cached_attention(q, k, v); h2 = h + a Wo;
      gate, up = norm(h2) Wgu; out = h2 + (silu(gate) * up) Wdown
 
-   torch computes a bf16 add or multiply in fp32 and rounds to bf16 (nearest even; a NaN becomes
-   0xffff in its vectorised conversion, the one every element of these sizes takes), and silu as
-   x / (1 + exp(-x)) in fp32 with its vector library's expf (torch_exp below). cpu_layer.py checks
-   all of it against torch on every bf16 value once per process before using it. Every row of
-   the padded batch is computed, as the ops do. */
+   bf16 models: the linears on rz_bf16_gemm; torch computes a bf16 add or multiply in fp32 and
+   rounds to bf16 (nearest even; a NaN becomes 0xffff in its vectorised conversion, the one every
+   element of these sizes takes). fp32 models: the linears on rz_f32_gemm with the K blocks that
+   give torch.mm's bits (cpu_layer.py proves them per weight shape). silu is x / (1 + exp(-x)) in
+   fp32 with the expf of torch's vector code (torch_exp below). cpu_layer.py checks the elementwise
+   ops against torch once per process before using them. Every row of the padded batch is
+   computed, as the ops do. */
 enum { LD_TOKENS, LD_PADDED, LD_HIDDEN, LD_HEADS, LD_KV_HEADS, LD_HEAD_DIM, LD_BLOCK, LD_TABLE_STRIDE, LD_QKV_N,
-       LD_INTERMEDIATE, LD_COUNT };
+       LD_INTERMEDIATE, LD_BF16, LD_KBLOCK_QKV, LD_KBLOCK_O, LD_KBLOCK_GATE_UP, LD_KBLOCK_DOWN, LD_COUNT };
 enum { LP_H, LP_INPUT_NORM, LP_QKV, LP_Q_NORM, LP_K_NORM, LP_COS, LP_SIN, LP_SLOTS, LP_K_CACHE, LP_V_CACHE, LP_TABLES,
        LP_SEQ, LP_POS, LP_O, LP_POST_NORM, LP_GATE_UP, LP_DOWN, LP_OUT, LP_SCRATCH, LP_COUNT };
 
@@ -1208,17 +1312,26 @@ static inline float power_of_two(int32_t q) {
    (ln2 in two parts); a degree-5 polynomial in s; times 2^q in two halves; 0 below -104 and
    infinity above 100. The clamp only keeps the integer conversion defined where the result is
    replaced anyway. */
+#define EXP_LOG2E 1.442695040888963407359924681001892137426645954152985934135449406931f
+#define EXP_LN2_HI -0.693145751953125f
+#define EXP_LN2_LO -1.428606765330187045e-06f
+#define EXP_C5 0.000198527617612853646278381f
+#define EXP_C4 0.00139304355252534151077271f
+#define EXP_C3 0.00833336077630519866943359f
+#define EXP_C2 0.0416664853692054748535156f
+#define EXP_C1 0.166666671633720397949219f
+#define EXP_C0 0.5f
 static inline float torch_exp(float d) {
     const float c = fmaxf(fminf(d, 100.0f), -104.0f);
-    const int32_t q = (int32_t)nearbyintf(c * 1.442695040888963407359924681001892137426645954152985934135449406931f);
-    float s = fmaf((float)q, -0.693145751953125f, c);
-    s = fmaf((float)q, -1.428606765330187045e-06f, s);
-    float u = 0.000198527617612853646278381f;
-    u = fmaf(u, s, 0.00139304355252534151077271f);
-    u = fmaf(u, s, 0.00833336077630519866943359f);
-    u = fmaf(u, s, 0.0416664853692054748535156f);
-    u = fmaf(u, s, 0.166666671633720397949219f);
-    u = fmaf(u, s, 0.5f);
+    const int32_t q = (int32_t)nearbyintf(c * EXP_LOG2E);
+    float s = fmaf((float)q, EXP_LN2_HI, c);
+    s = fmaf((float)q, EXP_LN2_LO, s);
+    float u = EXP_C5;
+    u = fmaf(u, s, EXP_C4);
+    u = fmaf(u, s, EXP_C3);
+    u = fmaf(u, s, EXP_C2);
+    u = fmaf(u, s, EXP_C1);
+    u = fmaf(u, s, EXP_C0);
     u = 1.0f + fmaf(s * s, u, s);
     u = u * power_of_two(q >> 1) * power_of_two(q - (q >> 1));
     if (d < -104.0f) u = 0.0f;
@@ -1226,99 +1339,129 @@ static inline float torch_exp(float d) {
     return d != d ? d : u;
 }
 
-/* act[r, i] = bf16(bf16(silu(gate[r, i])) * up[r, i]) for gate, up the halves of each gu row. */
-static void silu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t I, uint16_t *act) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = gu + r * 2 * I, *up = gate + I;
-        uint16_t *out = act + r * I;
-        int64_t i = 0;
+static inline float torch_silu(float x) { return x / (1.0f + torch_exp(-x)); }
+
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        const __m512i round_bias = _mm512_set1_epi32(0x7fff), low_bit = _mm512_set1_epi32(1);
-        for (; i + 16 <= I; i += 16) {
-            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
-            const __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
-            const __m512 d = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
-            const __m512 c = _mm512_max_ps(_mm512_min_ps(d, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
-            const __m512i q = _mm512_cvt_roundps_epi32(
-                _mm512_mul_ps(c, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512 qf = _mm512_cvtepi32_ps(q);
-            __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), c);
-            s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-            __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-            u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-            u = _mm512_add_ps(one, _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-            const __m512i half = _mm512_srai_epi32(q, 1);
-            const __m512i bias = _mm512_set1_epi32(127);
-            u = _mm512_mul_ps(_mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23))),
-                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, half), bias), 23)));
-            u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u, _mm512_setzero_ps());
-            u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(100.0f), _CMP_GT_OQ), u,
-                                     _mm512_set1_ps(INFINITY));
-            u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), u, d);
-            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, u));
-            /* both roundings to bf16 as torch_bf16, sixteen lanes at a time */
-            __m512i bits = _mm512_castps_si512(silu);
-            bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
-                                                      _mm512_and_si512(_mm512_srli_epi32(bits, 16), low_bit)), 16);
-            bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(silu, silu, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0xffff));
-            const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), y);
-            bits = _mm512_castps_si512(product);
-            bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, round_bias),
-                                                      _mm512_and_si512(_mm512_srli_epi32(bits, 16), low_bit)), 16);
-            bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(product, product, _CMP_UNORD_Q), bits,
-                                           _mm512_set1_epi32(0xffff));
-            _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(bits));
-        }
+/* torch_silu of sixteen lanes, the same operations. */
+static inline __m512 torch_silu16(__m512 x) {
+    const __m512 d = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+    const __m512 c = _mm512_max_ps(_mm512_min_ps(d, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
+    const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(EXP_LOG2E)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 qf = _mm512_cvtepi32_ps(q);
+    __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(EXP_LN2_HI), c);
+    s = _mm512_fmadd_ps(qf, _mm512_set1_ps(EXP_LN2_LO), s);
+    __m512 u = _mm512_set1_ps(EXP_C5);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(EXP_C4));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(EXP_C3));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(EXP_C2));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(EXP_C1));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(EXP_C0));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    u = _mm512_add_ps(one, _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    const __m512i half = _mm512_srai_epi32(q, 1), bias = _mm512_set1_epi32(127);
+    u = _mm512_mul_ps(_mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23))),
+                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, half), bias), 23)));
+    u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u, _mm512_setzero_ps());
+    u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(100.0f), _CMP_GT_OQ), u, _mm512_set1_ps(INFINITY));
+    u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), u, d);
+    return _mm512_div_ps(x, _mm512_add_ps(one, u));
+}
+
+/* torch_bf16 of sixteen lanes, in the low halves of the 32-bit lanes. */
+static inline __m512i torch_bf16_16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0xffff));
+}
+
+static inline __m512 widened16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 #endif
-        for (; i < I; i++) {
-            const float x = bf16_value(gate[i]);
-            out[i] = torch_bf16(bf16_value(torch_bf16(x / (1.0f + torch_exp(-x)))) * bf16_value(up[i]));
+
+/* act[r, i] = silu(gate[r, i]) * up[r, i] for gate, up the halves of each gu row (rows x 2I), in
+   the model's dtype: bf16 rounds silu's result to bf16 before the multiply, as torch does. */
+static void silu_mul(int bf16, const void *gu, int64_t rows, int64_t I, void *act) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = 0;
+        if (bf16) {
+            const uint16_t *gate = (const uint16_t *)gu + r * 2 * I, *up = gate + I;
+            uint16_t *out = (uint16_t *)act + r * I;
+#if defined(__AVX512F__)
+            for (; i + 16 <= I; i += 16) {
+                const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(torch_bf16_16(torch_silu16(widened16(gate + i))), 16));
+                _mm256_storeu_si256((__m256i *)(out + i),
+                                    _mm512_cvtepi32_epi16(torch_bf16_16(_mm512_mul_ps(silu, widened16(up + i)))));
+            }
+#endif
+            for (; i < I; i++)
+                out[i] = torch_bf16(bf16_value(torch_bf16(torch_silu(bf16_value(gate[i])))) * bf16_value(up[i]));
+        } else {
+            const float *gate = (const float *)gu + r * 2 * I, *up = gate + I;
+            float *out = (float *)act + r * I;
+#if defined(__AVX512F__)
+            for (; i + 16 <= I; i += 16)
+                _mm512_storeu_ps(out + i, _mm512_mul_ps(torch_silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+#endif
+            for (; i < I; i++) out[i] = torch_silu(gate[i]) * up[i];
         }
     }
 }
 
-/* out[i] = bf16(a[i] + b[i]) for n elements (out may be b). */
-static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = torch_bf16(bf16_value(a[i]) + bf16_value(b[i]));
+/* out[i] = a[i] + b[i] for n elements in the model's dtype (out may be b). */
+static void add_rows(int bf16, const void *a, const void *b, void *out, int64_t n) {
+    if (bf16) {
+        const uint16_t *a16 = a, *b16 = b;
+        uint16_t *o16 = out;
+        for (int64_t i = 0; i < n; i++) o16[i] = torch_bf16(bf16_value(a16[i]) + bf16_value(b16[i]));
+    } else {
+        const float *a32 = a, *b32 = b;
+        float *o32 = out;
+        for (int64_t i = 0; i < n; i++) o32[i] = a32[i] + b32[i];
+    }
 }
 
-/* scratch: padded * (3 * hidden + qkv_n + 2 * H * D + 3 * intermediate) bf16 elements. */
+static int layer_gemm(int bf16, const void *x, int64_t M, int64_t K, const void *packed, int64_t N, int64_t kblock,
+                      void *out, int threads) {
+    return bf16 ? rz_bf16_gemm(x, M, K, K, packed, N, out, threads) : rz_f32_gemm(x, M, K, K, packed, N, kblock, out, threads);
+}
+
+/* scratch: padded * (3 * hidden + qkv_n + 2 * H * D + 3 * intermediate) elements of the dtype. */
 int rz_decoder_layer(const int64_t *dims, void *const *ptrs, float eps, float scale, int threads) {
     const int64_t T = dims[LD_PADDED], hidden = dims[LD_HIDDEN], H = dims[LD_HEADS], Hkv = dims[LD_KV_HEADS];
     const int64_t D = dims[LD_HEAD_DIM], qkv_n = dims[LD_QKV_N], I = dims[LD_INTERMEDIATE];
-    uint16_t *x = ptrs[LP_SCRATCH], *qkv = x + T * hidden, *q_rot = qkv + T * qkv_n, *attn = q_rot + T * H * D;
-    uint16_t *h2 = attn + T * H * D, *gu = h2 + T * hidden, *act = gu + T * 2 * I, *out = ptrs[LP_OUT];
-    int status = rz_rms_norm(ptrs[LP_H], 1, 1, T, 0, hidden, hidden, ptrs[LP_INPUT_NORM], eps, x, threads);
-    if (!status) status = rz_bf16_gemm(x, T, hidden, hidden, ptrs[LP_QKV], qkv_n, qkv, threads);
+    const int bf16 = (int)dims[LD_BF16];
+    const int64_t size = bf16 ? 2 : 4;
+    char *x = ptrs[LP_SCRATCH], *qkv = x + T * hidden * size, *q_rot = qkv + T * qkv_n * size;
+    char *attn = q_rot + T * H * D * size, *h2 = attn + T * H * D * size, *gu = h2 + T * hidden * size;
+    char *act = gu + T * 2 * I * size, *out = ptrs[LP_OUT];
+    int status = rz_rms_norm(ptrs[LP_H], bf16, 1, T, 0, hidden, hidden, ptrs[LP_INPUT_NORM], eps, x, threads);
+    if (!status) status = layer_gemm(bf16, x, T, hidden, ptrs[LP_QKV], qkv_n, dims[LD_KBLOCK_QKV], qkv, threads);
     if (!status)
-        status = rz_cached_attention(qkv, qkv + H * D, qkv + (H + Hkv) * D, qkv_n, qkv_n, qkv_n, 1, ptrs[LP_Q_NORM],
-                                     ptrs[LP_K_NORM], eps, ptrs[LP_COS], ptrs[LP_SIN], ptrs[LP_SLOTS], ptrs[LP_K_CACHE],
-                                     ptrs[LP_V_CACHE], q_rot, ptrs[LP_TABLES], dims[LD_TABLE_STRIDE], ptrs[LP_SEQ],
-                                     ptrs[LP_POS], dims[LD_TOKENS], T, H, Hkv, D, dims[LD_BLOCK], scale, attn, threads);
-    if (!status) status = rz_bf16_gemm(attn, T, H * D, H * D, ptrs[LP_O], hidden, h2, threads);
+        status = rz_cached_attention(qkv, qkv + H * D * size, qkv + (H + Hkv) * D * size, qkv_n, qkv_n, qkv_n, bf16,
+                                     ptrs[LP_Q_NORM], ptrs[LP_K_NORM], eps, ptrs[LP_COS], ptrs[LP_SIN], ptrs[LP_SLOTS],
+                                     ptrs[LP_K_CACHE], ptrs[LP_V_CACHE], q_rot, ptrs[LP_TABLES], dims[LD_TABLE_STRIDE],
+                                     ptrs[LP_SEQ], ptrs[LP_POS], dims[LD_TOKENS], T, H, Hkv, D, dims[LD_BLOCK], scale,
+                                     attn, threads);
+    if (!status) status = layer_gemm(bf16, attn, T, H * D, ptrs[LP_O], hidden, dims[LD_KBLOCK_O], h2, threads);
     if (status) return status;
-    add_bf16(ptrs[LP_H], h2, h2, T * hidden);
-    status = rz_rms_norm(h2, 1, 1, T, 0, hidden, hidden, ptrs[LP_POST_NORM], eps, x, threads);
-    if (!status) status = rz_bf16_gemm(x, T, hidden, hidden, ptrs[LP_GATE_UP], 2 * I, gu, threads);
+    add_rows(bf16, ptrs[LP_H], h2, h2, T * hidden);
+    status = rz_rms_norm(h2, bf16, 1, T, 0, hidden, hidden, ptrs[LP_POST_NORM], eps, x, threads);
+    if (!status) status = layer_gemm(bf16, x, T, hidden, ptrs[LP_GATE_UP], 2 * I, dims[LD_KBLOCK_GATE_UP], gu, threads);
     if (status) return status;
-    silu_mul_bf16(gu, T, I, act);
-    status = rz_bf16_gemm(act, T, I, I, ptrs[LP_DOWN], hidden, out, threads);
-    if (!status) add_bf16(h2, out, out, T * hidden);
+    silu_mul(bf16, gu, T, I, act);
+    status = layer_gemm(bf16, act, T, I, ptrs[LP_DOWN], hidden, dims[LD_KBLOCK_DOWN], out, threads);
+    if (!status) add_rows(bf16, h2, out, out, T * hidden);
     return status;
 }
 
 /* The elementwise parts alone, for cpu_layer.py's check against torch: act = silu_mul of the
-   (rows, 2 I) gu rows, sum = a + b (n elements). */
-void rz_layer_elementwise(const uint16_t *gu, int64_t rows, int64_t I, uint16_t *act, const uint16_t *a,
-                          const uint16_t *b, int64_t n, uint16_t *sum) {
-    silu_mul_bf16(gu, rows, I, act);
-    add_bf16(a, b, sum, n);
+   (rows, 2 I) gu rows, sum = a + b (n elements), in bf16 or fp32. */
+void rz_layer_elementwise(int bf16, const void *gu, int64_t rows, int64_t I, void *act, const void *a, const void *b,
+                          int64_t n, void *sum) {
+    silu_mul(bf16, gu, rows, I, act);
+    add_rows(bf16, a, b, sum, n);
 }
