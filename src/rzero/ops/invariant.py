@@ -46,7 +46,7 @@ import torch
 from rzero.ops import cpu_kernel, weight_copies
 from rzero.ops.gemm_route import BF16_GEMMS, KERNEL_MAX, bf16_gemm, bf16_kernel, on_kernel  # noqa: F401  (the rules this linear applies)
 from rzero.ops.scratch import scratch
-from rzero.ops.cpu_layer import decoder_layer  # noqa: F401  (an op of this numerics, CPU bf16 engines)
+from rzero.ops.cpu_layer import decoder_layer  # noqa: F401  (an engine step's dense layer in one C call)
 from rzero.ops.invariant_attention import attention, cached_attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401
     ROW_TILE,

@@ -174,8 +174,8 @@ class Numerics:
         cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta, scale: float,
     ) -> torch.Tensor | None:
         """An engine step through a dense decoder layer (its `weights`), where this numerics has it
-        in fewer calls with the bits of the layer's ops one by one (invariant numerics, CPU, bf16
-        weights on rzero's GEMM: rzero/ops/cpu_layer.py); None elsewhere, and the caller runs the ops."""
+        in one call with the bits of the layer's ops one by one (invariant numerics on the CPU, bf16
+        or fp32: rzero/ops/cpu_layer.py); None elsewhere, and the caller runs the ops."""
         fused = getattr(self._on(h), "decoder_layer", None)
         return None if fused is None else fused(h, weights, cos, sin, meta, cache, scale)
 
