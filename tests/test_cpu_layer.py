@@ -180,3 +180,21 @@ def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
     moe = moe_cls(moe_config).to(torch.bfloat16)
     moe.pack_weights()
     assert all(layer.dense_weights() is None for layer in moe.model.layers)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=needs_bf16_gemm), pytest.param("fp32", marks=needs_kernel)])
+def test_the_c_layer_follows_weight_updates(dtype, tiny_dense_dir, monkeypatch):
+    """After Engine.update_weights (in place: the GEMM layouts are made again), the engine's tokens
+    and logprobs are those of an engine built on the new weights."""
+    monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(4, 30))] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=5)  # not the request count's
+    engine = Engine(tiny_dense_dir, dtype=dtype)
+    engine.generate(prompts, params)  # the layers' plans and layouts made on the old weights
+    fresh = _model(seed=11, dtype=torch.float32)
+    engine.update_weights(fresh.state_dict(), version=1)
+    after = engine.generate(prompts, params)
+    reference = Engine(fresh, dtype=dtype).generate(prompts, params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in reference]
+    assert [o.logprobs for o in after] == [o.logprobs for o in reference]
