@@ -52,11 +52,15 @@ static inline void key_offsets(const int64_t *table, int64_t n, int64_t block, i
     }
 }
 
-/* Software prefetch of the cache row PREFETCH_AHEAD positions ahead. One KV head's rows of
+/* Software prefetch of the cache row a few positions ahead (prefetch_ahead). One KV head's rows of
    consecutive positions lie Hkv rows apart, in blocks anywhere in the cache: the hardware
    prefetcher does not follow that, and at a 0.6B model's decode the loads stalled on memory half
    the time (docs/benchmarks.md, seventh session). No arithmetic: the bits cannot change. */
 #define PREFETCH_AHEAD 8
+/* The distance the loops use: rows of one cache line or less (bf16 at head_dim 32) twice as far,
+   so that it runs about a kilobyte ahead either way (a tiny bf16 model's whole generate 1.05-1.06x;
+   fp32 at head_dim 32, 128-byte rows, read 0.97-0.98x with 16; docs/benchmarks.md, sixteenth session). */
+static inline int64_t prefetch_ahead(int bf16, int64_t D) { return D * (bf16 ? 2 : 4) <= 64 ? 16 : PREFETCH_AHEAD; }
 static inline void prefetch_row(const void *base, int bf16, int64_t offset, int64_t D) {
     const char *p = (const char *)base + offset * (bf16 ? 2 : 4);
     const int64_t bytes = D * (bf16 ? 2 : 4);
@@ -220,13 +224,14 @@ static inline __attribute__((always_inline)) void weighted_sum_pair(
     /* out_a == out_b (and total_a == total_b) for an odd last head */
     __m512 a[8], b[8];
     float sum_a = 0.0f, sum_b = 0.0f;
+    const int64_t ahead = prefetch_ahead(bf16, 16 * chunks);
     for (int c = 0; c < chunks; c++) a[c] = b[c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
         if (total_a) {
             sum_a += e_a[j];
             sum_b += e_b[j];
         }
-        if (j + PREFETCH_AHEAD < n) prefetch_row(v_cache, bf16, offsets[j + PREFETCH_AHEAD], 16 * chunks);
+        if (j + ahead < n) prefetch_row(v_cache, bf16, offsets[j + ahead], 16 * chunks);
         const __m512 wa = _mm512_set1_ps(e_a[j]), wb = _mm512_set1_ps(e_b[j]);
         for (int c = 0; c < chunks; c++) {
             const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
@@ -300,7 +305,7 @@ static inline __attribute__((always_inline)) void scores_by_16(int chunks, const
                                                                const void *k_cache, int bf16,
                                                                const int64_t *restrict offsets, int64_t n,
                                                                float *restrict s, float *restrict keys) {
-    const int64_t Dp = 16 * chunks;
+    const int64_t Dp = 16 * chunks, ahead = prefetch_ahead(bf16, Dp);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
         const float *rows[16];
@@ -310,7 +315,7 @@ static inline __attribute__((always_inline)) void scores_by_16(int chunks, const
                 rows[i] = keys + i * Dp;
                 continue;
             }
-            if (j0 + i + PREFETCH_AHEAD < n) prefetch_row(k_cache, bf16, offsets[j0 + i + PREFETCH_AHEAD], Dp);
+            if (j0 + i + ahead < n) prefetch_row(k_cache, bf16, offsets[j0 + i + ahead], Dp);
             if (!bf16) {
                 rows[i] = (const float *)k_cache + offsets[j0 + i];
                 continue;
@@ -349,8 +354,9 @@ static inline __attribute__((always_inline)) void scores_of(const float *restric
         return;
     }
 #endif
+    const int64_t ahead = prefetch_ahead(bf16, D);
     for (int64_t j = 0; j < n; j++) {
-        if (j + PREFETCH_AHEAD < n) prefetch_row(k_cache, bf16, offsets[j + PREFETCH_AHEAD], D);
+        if (j + ahead < n) prefetch_row(k_cache, bf16, offsets[j + ahead], D);
         const Row key = cache_row(k_cache, bf16, offsets[j], D, Dp, row);
         for (int64_t g = 0; g < G; g++) s[g * n + j] = dot_row(q + g * Dp, key, Dp);
     }
@@ -414,7 +420,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void run_items(Job *job, const int64_t D, float *scores, float *q, float *acc,
                                                             float *row, float *sums, int64_t *offsets) {
     const int64_t H = job->H, Hkv = job->Hkv, block = job->block, G = H / Hkv;
-    const int64_t Dp = (D + LANES - 1) / LANES * LANES;
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES, ahead = prefetch_ahead(job->kv_bf16, D);
     for (int64_t item = job->first; item < job->last; item++) {
         const int64_t t = item / Hkv, h = item % Hkv, n = job->token_pos[t] + 1;
         const int64_t *table = job->block_tables + job->token_seq[t] * job->table_stride;
@@ -424,15 +430,15 @@ static inline __attribute__((always_inline)) void run_items(Job *job, const int6
             for (int64_t d = 0; d < D; d++) qg[d] *= job->scale;
         }
         key_offsets(table, n, block, Hkv, h, D, offsets);
-        /* The loops below prefetch PREFETCH_AHEAD rows ahead of themselves; the first rows of the
+        /* The loops below prefetch `ahead` rows ahead of themselves; the first rows of the
            values, and of the next item's keys, are asked for here, so that they arrive while this
            item's scores are computed (the cache rows of a decode step come from L3 or memory:
            the weights' streaming evicts them between layers). */
-        for (int64_t j = 0; j < n && j < PREFETCH_AHEAD; j++) prefetch_row(job->v_cache, job->kv_bf16, offsets[j], D);
+        for (int64_t j = 0; j < n && j < ahead; j++) prefetch_row(job->v_cache, job->kv_bf16, offsets[j], D);
         if (item + 1 < job->last) {
             const int64_t t1 = (item + 1) / Hkv, h1 = (item + 1) % Hkv, n1 = job->token_pos[t1] + 1;
             const int64_t *table1 = job->block_tables + job->token_seq[t1] * job->table_stride;
-            for (int64_t j = 0; j < n1 && j < PREFETCH_AHEAD; j++)
+            for (int64_t j = 0; j < n1 && j < ahead; j++)
                 prefetch_row(job->k_cache, job->kv_bf16, ((table1[j / block] * block + j % block) * Hkv + h1) * D, D);
         }
         scores_of(q, G, D, Dp, job->k_cache, job->kv_bf16, offsets, n, scores, row);
@@ -561,7 +567,7 @@ static inline __attribute__((always_inline)) void backward_units(BackwardJob *jo
                                                                  float *q, float *go, float *dq, float *row,
                                                                  float *weighted, int64_t *offsets) {
     const int64_t H = job->H, Hkv = job->Hkv, block = job->block, G = H / Hkv;
-    const int64_t Dp = (D + LANES - 1) / LANES * LANES;
+    const int64_t Dp = (D + LANES - 1) / LANES * LANES, ahead = prefetch_ahead(job->kv_bf16, D);
     for (int64_t unit = job->first; unit < job->last; unit++) {
         const int64_t b = unit % job->num_seqs, h = unit / job->num_seqs;
         for (int64_t t = job->seq_starts[b]; t < job->seq_starts[b + 1]; t++) {
@@ -587,7 +593,7 @@ static inline __attribute__((always_inline)) void backward_units(BackwardJob *jo
             }
             /* dP = dO . v_j and the softmax backward's row term sum_j p_j dP_j. */
             for (int64_t j = 0; j < n; j++) {
-                if (j + PREFETCH_AHEAD < n) prefetch_row(job->v_cache, job->kv_bf16, offsets[j + PREFETCH_AHEAD], D);
+                if (j + ahead < n) prefetch_row(job->v_cache, job->kv_bf16, offsets[j + ahead], D);
                 const Row value = cache_row(job->v_cache, job->kv_bf16, offsets[j], D, Dp, row);
                 for (int64_t g = 0; g < G; g++) {
                     dp[g * n + j] = dot_row(go + g * Dp, value, Dp);
