@@ -1073,6 +1073,15 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
    the threads' start costs more than they save). */
 #define GEMM_MACS_PER_THREAD (1 << 20)
 
+/* The threads an (M, K) x (K, N) GEMM of `*tiles` 6 x 32 tiles runs on (at most `threads`, 64). */
+static int gemm_threads(int64_t M, int64_t K, int64_t N, int threads, int64_t *tiles) {
+    *tiles = (M + GEMM_ROWS - 1) / GEMM_ROWS * ((N + GEMM_COLS - 1) / GEMM_COLS);
+    const int64_t most = M * N * K / GEMM_MACS_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    if (threads > *tiles) threads = *tiles > 0 ? (int)*tiles : 1;
+    return threads > 64 ? 64 : threads;
+}
+
 int rz_bf16_pack(const uint16_t *w, int64_t N, int64_t K, int64_t stride_n, int64_t stride_k, uint16_t *out) {
     if (K % 2) return 4;
     const int64_t panels = (N + GEMM_COLS - 1) / GEMM_COLS, pairs = K / 2;
@@ -1152,11 +1161,8 @@ static void *run_gemm(void *arg) {
 int rz_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t lda, const uint16_t *packed, int64_t N, uint16_t *out,
                  int threads) {
     if (K % 2) return 4;
-    const int64_t tiles = (M + GEMM_ROWS - 1) / GEMM_ROWS * ((N + GEMM_COLS - 1) / GEMM_COLS);
-    const int64_t most = M * N * K / GEMM_MACS_PER_THREAD;
-    if (threads > most) threads = most > 1 ? (int)most : 1;
-    if (threads > tiles) threads = tiles > 0 ? (int)tiles : 1;
-    if (threads > 64) threads = 64;
+    int64_t tiles;
+    threads = gemm_threads(M, K, N, threads, &tiles);
     GemmJob jobs[64];
     for (int i = 0; i < threads; i++)
         jobs[i] = (GemmJob){x, packed, out, M, K, N, lda, tiles * i / threads, tiles * (i + 1) / threads};
@@ -1267,11 +1273,8 @@ static void *run_f32_gemm(void *arg) {
 int rz_f32_gemm(const float *x, int64_t M, int64_t K, int64_t lda, const float *packed, int64_t N, int64_t kblock,
                 float *out, int threads) {
     if (kblock < 1) return 4;
-    const int64_t tiles = (M + GEMM_ROWS - 1) / GEMM_ROWS * ((N + GEMM_COLS - 1) / GEMM_COLS);
-    const int64_t most = M * N * K / GEMM_MACS_PER_THREAD;
-    if (threads > most) threads = most > 1 ? (int)most : 1;
-    if (threads > tiles) threads = tiles > 0 ? (int)tiles : 1;
-    if (threads > 64) threads = 64;
+    int64_t tiles;
+    threads = gemm_threads(M, K, N, threads, &tiles);
     F32GemmJob jobs[64];
     for (int i = 0; i < threads; i++)
         jobs[i] = (F32GemmJob){x, packed, out, M, K, N, lda, kblock, tiles * i / threads, tiles * (i + 1) / threads};
