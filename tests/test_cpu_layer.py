@@ -166,6 +166,9 @@ def test_the_c_layer_stays_out_of_what_it_does_not_cover(monkeypatch):
     with torch.inference_mode():
         args = (h.float(), cos.float(), sin.float(), meta, cache32, 0.1)
         assert cpu_layer.decoder_layer(args[0], dataclasses.replace(weights32), *args[1:]) is not None
+        monkeypatch.setattr(gemm_route, "KERNEL_MAX", 1 << 16)  # too big for rz_f32_gemm: MKL's
+        assert cpu_layer.decoder_layer(args[0], dataclasses.replace(weights32), *args[1:]) is None
+        monkeypatch.setattr(gemm_route, "KERNEL_MAX", 1 << 20)
         monkeypatch.setattr(cpu_layer, "f32_kblock", lambda K, N, threads: None if K == 512 else 128)
         assert cpu_layer.decoder_layer(args[0], dataclasses.replace(weights32), *args[1:]) is None
     # kept by the layer while current; a cast, or a parameter put in another's place, is seen

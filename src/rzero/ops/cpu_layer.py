@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rzero.ops import cpu_kernel, weight_copies
+from rzero.ops import cpu_kernel, gemm_route, weight_copies
 from rzero.ops.attention_meta import AttentionMeta
 from rzero.ops.gemm_route import on_kernel
 from rzero.ops.invariant_rows import ELEMENTWISE_TILE, silu_mul
@@ -149,14 +149,15 @@ def _weights_apply(w: DenseLayerWeights) -> bool:
     """Whether every op of a layer with these weights runs what the C layer runs (checked once per
     weights): the C library is built and its elementwise ops proven in the weights' dtype, every
     weight a CPU tensor of that dtype, bf16 or fp32; bf16 linears on our GEMM, fp32 weights
-    contiguous (N, K), the layout whose GEMM `f32_kblock` probes; the gate and up halves as wide
+    contiguous (N, K), the layout whose GEMM `f32_kblock` probes, and below KERNEL_MAX elements
+    (the tiny presets' shapes, where the C layer was measured and checked); the gate and up halves as wide
     as the MLP and that width a multiple of ELEMENTWISE_TILE (torch's silu then has no scalar tail)."""
     tensors = (w.input_norm, w.qkv, w.q_norm, w.k_norm, w.o, w.post_norm, w.gate_up, w.down)
     dtype, linears = w.qkv.dtype, (w.qkv, w.o, w.gate_up, w.down)
     if dtype == torch.bfloat16:
         gemm = all(on_kernel(weight) for weight in linears)
     else:
-        gemm = dtype == torch.float32 and all(weight.is_contiguous() for weight in linears)
+        gemm = dtype == torch.float32 and all(weight.is_contiguous() and weight.numel() < gemm_route.KERNEL_MAX for weight in linears)
     return (
         gemm
         and all(t.dtype == dtype and t.is_cpu for t in tensors)
