@@ -124,8 +124,9 @@ def test_the_engines_tokens_and_logprobs_do_not_change(dtype, tiny_dense_dir, mo
     real, used = invariant.decoder_layer, []
     monkeypatch.setattr(invariant, "decoder_layer", lambda *a: used.append(1) or real(*a))
     engine = Engine(tiny_dense_dir, dtype=dtype)
+    before = cpu_layer.CALLS[dtype]
     fused = engine.generate(prompts, params)
-    assert used
+    assert used and cpu_layer.CALLS[dtype] - before == len(used)  # what `rzero check` reports
     monkeypatch.setattr(invariant, "decoder_layer", lambda *a: None)
     by_ops = Engine(engine.model, dtype=dtype).generate(prompts, params)
     assert [o.token_ids for o in fused] == [o.token_ids for o in by_ops]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,10 @@ from rzero.ops.attention_meta import AttentionMeta
 from rzero.ops.gemm_route import on_kernel
 from rzero.ops.invariant_rows import ELEMENTWISE_TILE, silu_mul
 from rzero.ops.scratch import scratch
+
+
+# Layers run in one C call in this process, by dtype (`rzero check` reports them).
+CALLS: Counter[str] = Counter()
 
 
 @dataclass(eq=False)
@@ -201,6 +206,7 @@ class _Plan:
         self.lib = _bound(cpu_kernel.library())
         self.weights = w
         self.bf16 = w.qkv.dtype == torch.bfloat16
+        self.dtype_name = "bf16" if self.bf16 else "fp32"
         self.dims = (ctypes.c_int64 * len(_DIMS))()
         self.ptrs = (ctypes.c_int64 * len(_PTRS))()
         self.dims_at, self.ptrs_at = ctypes.addressof(self.dims), ctypes.addressof(self.ptrs)
@@ -253,6 +259,7 @@ class _Plan:
         for i, t in zip(_STEP_PTRS, (h, cos, sin, meta.slot_mapping, k_cache, v_cache, tables, seq, pos, out, work)):
             ptrs[i] = t.data_ptr()
         cpu_kernel._check(self.lib.rz_decoder_layer(self.dims_at, self.ptrs_at, w.eps, scale, threads))
+        CALLS[self.dtype_name] += 1
         return out
 
 
