@@ -955,22 +955,32 @@ def test_mixed_decode_and_prefill_batch_is_split_into_buckets():
 
 
 def test_big_tiles_only_where_the_probe_proves_the_bits(monkeypatch):
-    """A big tile is used only if it gives every row a ROW_TILE tile's bits. Negative control: a
-    big-tile GEMM that sums K in two halves (another grouping) is caught and never used, and the
-    linear still gives the 16-row tiles' bits."""
+    """A big tile, or one GEMM of a whole row count (`whole_rows`), is used only if it gives every
+    row a ROW_TILE tile's bits. Negative control: a big-tile GEMM that sums K in two halves
+    (another grouping) is caught and never used, and the linear still gives the 16-row tiles' bits."""
     K, N = 128, 64
     x, weight = grouping_probe(300, K, N, seed=3)
-    reference = torch.cat([INVARIANT.linear(t, weight) for t in x.split(16)])
+    dtypes = (torch.bfloat16, torch.float32)
+    reference = {d: torch.cat([INVARIANT.linear(t, weight.to(d)) for t in x.to(d).split(16)]) for d in dtypes}
+    threads = torch.get_num_threads()
 
     def two_halves(a, wt, out):
         torch.add(a[:, : K // 2] @ wt[: K // 2], a[:, K // 2 :] @ wt[K // 2 :], out=out)
 
-    invariant.big_tiles.cache_clear()
+    def clear():
+        invariant.big_tiles.cache_clear()
+        invariant.whole_rows.cache_clear()
+
+    clear()
     try:
-        assert torch.equal(INVARIANT.linear(x, weight), reference)
+        for d in dtypes:
+            assert torch.equal(INVARIANT.linear(x.to(d), weight.to(d)), reference[d])
+        assert invariant.whole_rows(304, K, N, torch.float32, False, threads)  # 300 rows padded to 304: one GEMM
         monkeypatch.setattr(invariant, "_big_tile_mm", two_halves)
-        invariant.big_tiles.cache_clear()
-        assert invariant.big_tiles(K, N, torch.bfloat16, True, torch.get_num_threads()) == ()
-        assert torch.equal(INVARIANT.linear(x, weight), reference)
+        clear()
+        assert invariant.big_tiles(K, N, torch.bfloat16, True, threads) == ()
+        assert not invariant.whole_rows(304, K, N, torch.float32, False, threads)
+        for d in dtypes:
+            assert torch.equal(INVARIANT.linear(x.to(d), weight.to(d)), reference[d])
     finally:
-        invariant.big_tiles.cache_clear()
+        clear()
