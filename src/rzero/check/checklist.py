@@ -31,7 +31,7 @@ from rzero.check.engine_checks import (
     c6_chunk_and_prefix_invariance,
 )
 from rzero.check.harness import CheckResult, Harness, fmt
-from rzero.ops import cpu_layer, resolve_device
+from rzero.ops import cpu_layer, resolve_device, train_layer
 from rzero.ops.cpu_kernel import kernel_status
 from rzero.ops.gemm_route import KERNEL_MAX, bf16_gemm, bf16_kernel
 from rzero.ops.device import intra_op_threads, model_dir_threads
@@ -121,6 +121,7 @@ def report(results: list[CheckResult], model_dir: str | Path, numerics: str, dty
         "cpu_bf16_gemm": bf16_gemm(),  # which GEMM a CPU bf16 linear runs (gemm_route.bf16_gemm)
         "cpu_bf16_kernel": bf16_kernel(),  # small bf16 weights on rzero's own GEMM (gemm_route.bf16_kernel)
         "cpu_decoder_layer_calls": dict(cpu_layer.CALLS),  # engine layers run in one C call (ops/cpu_layer.py)
+        "train_layer_calls": dict(train_layer.CALLS),  # training layers run as one autograd node (ops/train_layer.py)
         "passed": all(r.passed for r in results),
         "checks": [r.to_json() for r in results],
     }

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rzero.ops import ATTN_BLOCK, AttentionMeta, DenseLayerWeights, Numerics, joined, packed
+from rzero.ops import ATTN_BLOCK, AttentionMeta, DenseLayerParams, DenseLayerWeights, Numerics, joined, packed
 from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
@@ -231,8 +231,23 @@ class DecoderLayer(nn.Module):
             out = None if weights is None else nx.decoder_layer(h, weights, cos, sin, cache, meta, self.self_attn.scale)
             if out is not None:
                 return out
+        elif cache is None and torch.is_grad_enabled() and type(self.mlp) is MLP:  # training: one autograd node?
+            out = nx.train_decoder_layer(h, self.train_params(), cos, sin, meta)
+            if out is not None:
+                return out
         h = h + self.self_attn(self.input_layernorm(h, nx), cos, sin, meta, cache, nx)
         return h + self.mlp(self.post_attention_layernorm(h, nx), nx)
+
+    def train_params(self) -> DenseLayerParams:
+        """This (dense) layer's parameters for `Numerics.train_decoder_layer`."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = self.input_layernorm, attn.q_norm, attn.k_norm, self.post_attention_layernorm
+        return DenseLayerParams(
+            self.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+            attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight, self.post_attention_layernorm.weight,
+            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, tuple(n.eps for n in norms),
+            attn.scale, attn.num_heads, attn.num_kv_heads,
+        )
 
     def dense_weights(self) -> DenseLayerWeights | None:
         """This layer's weights for `Numerics.decoder_layer`: a dense MLP, q/k/v and gate/up packed

@@ -17,27 +17,13 @@ Why each is invariant (tests/test_ops.py checks every claim on this machine):
   same bits (`prepack_proven`).
   The backward is plain (F.linear's math). On Intel CPUs without AMX a bf16 linear runs on the
   fp32 GEMM, the bf16 values widened (`bf16_gemm`; AMD CPUs with avx512_bf16 keep the bf16 GEMM):
-  below PANEL_MIN weight elements all of the above on the widened (N, K) weight, from it on one bmm over 512-column panels of 16-128-row tiles, whose
-  batched GEMMs run one per thread and so give every thread count the same bits. On CPUs with
-  avx512_bf16 and no AMX, bf16 weights below KERNEL_MAX elements run none of this: our own GEMM
-  (rzero/ops/cpu_kernel.py, `bf16_kernel`) sums each output in one fixed order on one thread, so
-  its rows need no tiles, padding or probe.
-The row and elementwise ops below live in rzero/ops/invariant_rows.py, attention in
-rzero/ops/invariant_attention.py; this module holds the linear layers and is the numerics' one
-namespace (it re-exports them).
-
-- rms_norm: our C kernel (rzero/ops/cpu_kernel.py), one fixed order per row. Without a compiler,
-  and for softmax: each row is reduced by one thread in a fixed vectorised order,
-  unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
-  padding rows to ROW_TILE rules that out.
-- elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
-  in the last bit, and which elements fall in the tail depends on the tensor's total size. We pad
-  the flat size to a multiple of ELEMENTWISE_TILE so that no element is ever in a tail.
-- rotary: products and a sum per element, no reduction; on the CPU one C pass that rounds each
-  as torch's expression does (the same bits), instead of five tensor ops.
-- attention: our C kernel (rzero/ops/cpu_kernel.py), or without a compiler the stock-op version
-  of rzero/ops/invariant_attention.py.
-"""
+  below PANEL_MIN weight elements all of the above on the widened weight, from it one bmm over
+  512-column panels, whose batched GEMMs run one per thread (every thread count's bits). With
+  avx512_bf16 and no AMX, bf16 weights below KERNEL_MAX elements run our own GEMM
+  (rzero/ops/cpu_kernel.py, `bf16_kernel`): one fixed order per output, no tiles or probes.
+The row and elementwise ops live in rzero/ops/invariant_rows.py (its docstring says why each is
+invariant), attention in rzero/ops/invariant_attention.py; this module holds the linear layers
+and is the numerics' one namespace (it re-exports them)."""
 
 from __future__ import annotations
 
@@ -49,6 +35,7 @@ from rzero.ops import cpu_kernel, weight_copies
 from rzero.ops.gemm_route import BF16_GEMMS, KERNEL_MAX, bf16_gemm, bf16_kernel, on_kernel  # noqa: F401  (the rules this linear applies)
 from rzero.ops.scratch import scratch
 from rzero.ops.cpu_layer import decoder_layer  # noqa: F401  (an engine step's dense layer in one C call)
+from rzero.ops.train_layer import dense_layer as train_decoder_layer  # noqa: F401  (one autograd node)
 from rzero.ops.invariant_attention import attention, cached_attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401
     ROW_TILE,
@@ -68,9 +55,8 @@ TILE_LOOP_MIN = 1 << 17
 BMM_CHUNK = 32
 # Row tiles for many rows, each kept only where a probe proves it gives ROW_TILE's bits (big_tiles).
 BIG_TILES = (1024, 512, 256, 128, 64)  # largest first
-# Up to this many multiply-adds (rows x K x N), a row count of its own is probed once
-# (`whole_rows`): a training batch or prefill of 416 rows on a tiny model's weights then runs as
-# one GEMM, not 256 + 128 + 64 padded rows in three calls (~1.3x faster here).
+# Up to this many multiply-adds (rows x K x N) a row count gets its own probe (`whole_rows`): 416
+# rows on a tiny model's weights in one GEMM, not 256 + 128 + 64 padded rows (~1.3x faster here).
 WHOLE_PROBE_MAX = 1 << 27
 # A tile padded with zero rows is worth one GEMM call saved while its padding costs at most this
 # many multiply-adds (~2 MFLOP: about a call's fixed cost at this CPU's GEMM rate).
@@ -96,14 +82,13 @@ PANEL_COLUMNS = 512
 PANEL_ROWS = 128
 
 
-# (rows, weight shape, strides, dtype, may_prepack, threads, bf16 route) -> one mm holds them? From
-# the probes' results: big_tiles and prepack_proven empty it when they probe anew (caches cleared).
+# (rows, weight shape, strides, dtype, may_prepack, threads, bf16 route) -> one mm holds them?
+# From the probes' results: each probe empties it when it runs anew (caches cleared).
 _ONE_MM: dict[tuple, bool] = {}
 
 
 def _fp32_route(weight: torch.Tensor) -> bool:
-    """Whether this bf16 weight's linear runs on the fp32 GEMM (a rule of the machine, the same
-    for the engine and the trainer)."""
+    """Whether this bf16 weight's linear runs on the fp32 GEMM (the machine's rule, for all)."""
     return weight.dtype == torch.bfloat16 and bf16_gemm() == "fp32"
 
 
@@ -168,6 +153,23 @@ def _big_tile_mm(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> None:
     torch.mm(x, wt, out=out)
 
 
+def _proven_sizes(sizes: tuple[int, ...], K: int, N: int, dtype: torch.dtype, row_major: bool, seed: int) -> tuple[int, ...]:
+    """The row counts among `sizes` for which one GEMM (`_big_tile_mm`) gives every row exactly a
+    ROW_TILE tile's bits on a grouping probe, for a (K, N) weight in this dtype and layout."""
+    _ONE_MM.clear()
+    x, weight = grouping_probe(max(sizes), K, N, seed=seed)
+    x, weight = x.to(dtype), weight.to(dtype)
+    wt = weight.t().contiguous() if row_major else weight.t()
+    reference = _small_tiles(x, wt)
+    kept = []
+    for size in sizes:
+        got = x.new_empty(size, N)
+        _big_tile_mm(x[:size], wt, got)
+        if torch.equal(got, reference[:size]):
+            kept.append(size)
+    return tuple(kept)
+
+
 @functools.lru_cache(maxsize=None)
 def big_tiles(K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int) -> tuple[int, ...]:
     """The tile sizes of BIG_TILES that this machine's GEMM proves, for a (K, N) weight in this
@@ -178,32 +180,14 @@ def big_tiles(K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int)
     speed instead of paying a weight repack per 16 rows. The proof is a grouping probe: inputs
     whose every fp32 sum changes if the K terms are grouped differently. A size is kept only if
     all its rows (every position in the tile) match the ROW_TILE tiles bit for bit."""
-    _ONE_MM.clear()
-    x, weight = grouping_probe(max(BIG_TILES), K, N, seed=K * 7919 + N)
-    x, weight = x.to(dtype), weight.to(dtype)
-    wt = weight.t().contiguous() if row_major else weight.t()
-    reference = _small_tiles(x, wt)
-    kept = []
-    for size in BIG_TILES:
-        got = x.new_empty(size, N)
-        _big_tile_mm(x[:size], wt, got)
-        if torch.equal(got, reference[:size]):
-            kept.append(size)
-    return tuple(kept)
+    return _proven_sizes(BIG_TILES, K, N, dtype, row_major, seed=K * 7919 + N)
 
 
 @functools.lru_cache(maxsize=None)
 def whole_rows(rows: int, K: int, N: int, dtype: torch.dtype, row_major: bool, threads: int) -> bool:
     """Whether one GEMM of exactly `rows` rows (a multiple of ROW_TILE, at most WHOLE_PROBE_MAX
-    multiply-adds) gives every row a ROW_TILE tile's bits, for a (K, N) weight in this dtype and
-    layout on this many threads: `big_tiles`' grouping probe at that row count, run once."""
-    _ONE_MM.clear()
-    x, weight = grouping_probe(rows, K, N, seed=K * 7919 + N + rows)
-    x, weight = x.to(dtype), weight.to(dtype)
-    wt = weight.t().contiguous() if row_major else weight.t()
-    got = x.new_empty(rows, N)
-    _big_tile_mm(x, wt, got)
-    return torch.equal(got, _small_tiles(x, wt))
+    multiply-adds) gives every row a ROW_TILE tile's bits: `big_tiles`' probe at that row count."""
+    return _proven_sizes((rows,), K, N, dtype, row_major, seed=K * 7919 + N + rows) == (rows,)
 
 
 def _row_plan(total: int, wt: torch.Tensor, prepack: bool) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -366,8 +350,7 @@ def _linear_forward(
 
 def _one_mm_holds(rows: int, weight: torch.Tensor, may_prepack: bool) -> bool:
     """Whether `_linear_forward` of `rows` rows (a multiple of ROW_TILE, contiguous, in the
-    weight's dtype) runs as one plain mm on gemm_operand(weight): the weight's own dtype GEMM, and
-    a tile plan of one proven tile of exactly those rows. The same decision as the full path's."""
+    weight's dtype) runs as one plain mm on gemm_operand(weight): the full path's decision."""
     if _fp32_route(weight):
         return False
     wt = gemm_operand(weight)
@@ -376,31 +359,39 @@ def _one_mm_holds(rows: int, weight: torch.Tensor, may_prepack: bool) -> bool:
 
 
 class _Linear(torch.autograd.Function):
-    """Invariant forward; plain backward (two whole-batch GEMMs, like F.linear's): only the forward
-    has to match the engine bit for bit (as for attention), the gradients just have to be right.
-    The backward multiplies the forward's operands (on the fp32 route, the widened copies: the
-    faster GEMM here, as in the forward, and no second widening)."""
+    """Invariant forward; plain backward (`linear_backward`): only the forward has to match the
+    engine bit for bit (as for attention), the gradients just have to be right."""
 
     @staticmethod
     def forward(ctx, x, weight):
         operands: list[torch.Tensor] = []
         out = _linear_forward(x, weight, operands=operands)
         ctx.save_for_backward(*operands)
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.out_features = x.shape, x.dtype, weight.dtype, weight.shape[0]
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x2, w = ctx.saved_tensors  # (rows, K) and (N, K) (or its column panels), in the GEMM's dtype
-        if w.dim() == 3:  # panels (C, K, P) back to the (N, K) weight: the plain GEMM's operand
-            w = w.transpose(1, 2).reshape(-1, w.shape[1])[: ctx.out_features]
-        grad2 = grad.reshape(-1, w.shape[0]).to(w.dtype)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad2, w).view(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(grad2.t(), x2).to(ctx.w_dtype)
-        return grad_x, grad_w
+        x2, w = ctx.saved_tensors
+        grad_x, grad_w = linear_backward(x2, w, grad, ctx.x_dtype, ctx.w_dtype, *ctx.needs_input_grad)
+        return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w
+
+
+def linear_backward(
+    x2: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, x_dtype: torch.dtype, w_dtype: torch.dtype,
+    want_x: bool, want_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input's (rows, K) and the weight's gradients of a linear whose forward multiplied x2
+    (rows, K) by w ((N, K) or its column panels), for the output's gradient `grad` (..., N): two
+    whole-batch GEMMs (like F.linear's) on the forward's operands (on the fp32 route the widened
+    copies: the faster GEMM here, and no second widening)."""
+    out_features = grad.shape[-1]
+    if w.dim() == 3:  # panels (C, K, P) back to the (N, K) weight: the plain GEMM's operand
+        w = w.transpose(1, 2).reshape(-1, w.shape[1])[:out_features]
+    grad2 = grad.reshape(-1, out_features).to(w.dtype)
+    grad_x = torch.mm(grad2, w).to(x_dtype) if want_x else None
+    grad_w = torch.mm(grad2.t(), x2).to(w_dtype) if want_w else None
+    return grad_x, grad_w
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

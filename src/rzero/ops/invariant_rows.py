@@ -1,6 +1,18 @@
 """Batch-invariant row and elementwise ops for the CPU: RMSNorm, softmaxes, SwiGLU, rotary, MoE
-routing. Part of the invariant numerics (rzero/ops/invariant.py says why each op is invariant;
-the linear layers and attention have their own files).
+routing. Part of the invariant numerics (rzero/ops/invariant.py: the linear layers and the
+numerics' namespace; attention in rzero/ops/invariant_attention.py). Why each is invariant:
+
+- rms_norm: our C kernel (rzero/ops/cpu_kernel.py), one fixed order per row. Without a compiler,
+  and for softmax: each row is reduced by one thread in a fixed vectorised order,
+  unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
+  padding rows to ROW_TILE rules that out.
+- elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
+  in the last bit, and which elements fall in the tail depends on the tensor's total size. We pad
+  the flat size to a multiple of ELEMENTWISE_TILE so that no element is ever in a tail.
+- rotary: products and a sum per element, no reduction; on the CPU one C pass that rounds each
+  as torch's expression does (the same bits), instead of five tensor ops.
+- attention: our C kernel (rzero/ops/cpu_kernel.py), or without a compiler the stock-op version
+  of rzero/ops/invariant_attention.py.
 """
 
 from __future__ import annotations
