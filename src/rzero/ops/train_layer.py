@@ -186,5 +186,5 @@ def dense_layer(h: torch.Tensor, params: DenseLayerParams, cos: torch.Tensor, si
     """The layer's output, as one autograd node, or None where `applies` says no."""
     if not applies(h, params, cos):
         return None
-    CALLS[str(h.dtype).removeprefix("torch.")] += 1
+    CALLS["bf16" if h.dtype == torch.bfloat16 else "fp32"] += 1
     return _DenseLayer.apply(h, cos, sin, meta, params, *params[:11])
