@@ -38,9 +38,10 @@ def test_the_elementwise_ops_have_torchs_bits_and_a_changed_exp_is_caught(dtype,
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_fp32_gemm_gets_the_invariant_linears_bits_where_its_k_blocks_are_proven(threads, tmp_path):
-    """f32_kblock finds the K block that gives the invariant linear's bits for the tiny presets'
-    shapes (K = 128, 512) and a two-halves one (K = 256); another block gives other bits, and the
-    portable build (scalar fmaf) the same bits as the native one."""
+    """f32_kblock finds the K block that gives the invariant linear's bits (torch.mm's on 16-row
+    tiles) for the tiny presets' shapes (K = 128, 512) and a two-halves one (K = 256); another
+    block gives other bits, and the portable build (scalar fmaf) the same bits as the native one.
+    The invariant linear itself runs on it then (`own_gemm`), for any row count."""
     from rzero.ops import invariant
 
     portable = cpu_kernel.load(PORTABLE, cache_dir=tmp_path)
@@ -53,10 +54,13 @@ def test_the_fp32_gemm_gets_the_invariant_linears_bits_where_its_k_blocks_are_pr
             assert kblock is not None
             x, w = torch.randn(37, K, generator=gen), torch.randn(N, K, generator=gen)
             packed = cpu_layer.f32_pack(w)
-            with torch.no_grad():
-                expected = torch.cat([invariant.linear(rows, w) for rows in x.split(16)])
+            # the invariant linear's definition: torch.mm on 16-row tiles (zero rows after the last)
+            expected = invariant._small_tiles(torch.cat((x, x.new_zeros(11, K))), w.t())[:37]
             assert torch.equal(cpu_layer.f32_gemm(x, packed, N, kblock), expected)
             assert torch.equal(cpu_layer.f32_gemm(x, packed, N, kblock, lib=portable), expected)
+            with torch.no_grad():
+                assert torch.equal(invariant.linear(x, w), expected)
+                assert torch.equal(invariant.linear(x[3:4], w), expected[3:4])
             if K > 192:  # one chain over the whole K is not torch's sum here
                 assert not torch.equal(cpu_layer.f32_gemm(x, packed, N, K), expected)
     finally:

@@ -94,11 +94,29 @@ def f32_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, kblock: int, lib: ct
     return out
 
 
+def own_gemm(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> torch.Tensor | None:
+    """x2 (rows, K) times a small weight (N, K) on rzero's own GEMM, with the invariant linear's
+    bits: bf16 weights on the bf16 kernel where `on_kernel` (its bits are the definition there),
+    fp32 contiguous weights below KERNEL_MAX on rz_f32_gemm where `f32_kblock` proves the 16-row
+    tiles' bits (1.2-1.6x torch.mm here, 64-416 rows). None: the invariant linear's tiles.
+    `may_cache`: no gradient is wanted, so the weight's packed copy is kept beside it."""
+    if weight.dtype == torch.bfloat16 and on_kernel(weight):
+        if x2.dtype != torch.bfloat16:
+            raise TypeError(f"invariant linear: input {x2.dtype} and weight {weight.dtype} must be of one dtype")
+        return cpu_kernel.bf16_gemm(x2, weight_copies.kernel_panels(weight, may_cache), weight.shape[0])
+    if (weight.dtype != torch.float32 or x2.dtype != torch.float32 or not weight.is_contiguous() or not weight.is_cpu
+            or weight.numel() >= gemm_route.KERNEL_MAX or cpu_kernel.library() is None):
+        return None
+    N, K = weight.shape
+    kblock = f32_kblock(K, N, torch.get_num_threads())
+    return None if kblock is None else f32_gemm(x2, weight_copies.f32_kernel_panels(weight, may_cache), N, kblock)
+
+
 @functools.lru_cache(maxsize=None)
 def f32_kblock(K: int, N: int, threads: int) -> int | None:
     """The K block with which rz_f32_gemm gives an fp32 (N, K) weight's invariant linear exactly
-    (the engine's path, `invariant.linear` with no gradient) on this many threads, or None: the
-    grouping probe and random inputs, 16 and 64 rows, for each candidate in turn (MKL here: one
+    (the bits of torch.mm on 16-row tiles, `invariant._small_tiles`) on this many threads, or None:
+    the grouping probe and random inputs, 16 and 64 rows, for each candidate in turn (MKL here: one
     block up to K = 192, two halves up to 384, blocks of 192 beyond; docs/numerics.md)."""
     from rzero.ops import invariant  # (invariant imports this module)
 
@@ -109,7 +127,7 @@ def f32_kblock(K: int, N: int, threads: int) -> int | None:
         cases = [tuple(t.float() for t in invariant.grouping_probe(64, K, N, seed=K + N)),
                  (torch.randn(64, K, generator=gen), torch.randn(N, K, generator=gen))]
         with torch.no_grad():
-            wanted = [(x, w, [invariant.linear(x[:rows], w) for rows in (16, 64)]) for x, w in cases]
+            wanted = [(x, w, [invariant._small_tiles(x[:rows], w.t()) for rows in (16, 64)]) for x, w in cases]
             for kblock in dict.fromkeys((K, 192, -(-K // 2), 128, 256, 96, 64)):
                 if all(torch.equal(f32_gemm(x[:rows], f32_pack(w), N, kblock), out)
                        for x, w, outs in wanted for rows, out in zip((16, 64), outs)):

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from rzero.ops import cpu_kernel, weight_copies
+from rzero.ops import cpu_layer, weight_copies
 from rzero.ops.gemm_route import BF16_GEMMS, KERNEL_MAX, bf16_gemm, bf16_kernel, on_kernel  # noqa: F401  (the rules this linear applies)
 from rzero.ops.scratch import scratch
 from rzero.ops.cpu_layer import decoder_layer  # noqa: F401  (an engine step's dense layer in one C call)
@@ -290,10 +290,8 @@ def _linear_forward(
     flat = x.dim() == 2  # the usual case: no reshapes (each costs about a microsecond)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
-    if weight.dtype == torch.bfloat16 and on_kernel(weight):
-        if x2.dtype != torch.bfloat16:
-            raise TypeError(f"invariant linear: input {x.dtype} and weight {weight.dtype} must be of one dtype")
-        out = cpu_kernel.bf16_gemm(x2, weight_copies.kernel_panels(weight, may_prepack), weight.shape[0])
+    out = cpu_layer.own_gemm(x2, weight, may_prepack)  # small weights on rzero's own GEMMs, where they apply
+    if out is not None:
         if operands is not None:
             operands.extend((x2, weight))
         return out if flat else out.view(*x.shape[:-1], weight.shape[0])
