@@ -73,9 +73,10 @@ def applies(h: torch.Tensor, params: DenseLayerParams, cos: torch.Tensor) -> boo
 def _private_cache(x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
     """The whole sequences' keys (or values) x (rows, Hkv, D) in a private paged cache, as
     `Attention.forward` builds it op by op (zeros, rows at slot_mapping, shared prompt rows again)."""
-    cache = x.new_zeros((meta.num_blocks * ATTN_BLOCK, *x.shape[1:])).index_copy(0, meta.slot_mapping, x[: meta.num_tokens])
+    cache = x.new_zeros((meta.num_blocks * ATTN_BLOCK, *x.shape[1:]))  # in place: no autograd records it here
+    cache.index_copy_(0, meta.slot_mapping, x[: meta.num_tokens])
     if meta.copy_slots is not None:
-        cache = cache.index_copy(0, meta.copy_slots, x[meta.copy_rows])
+        cache.index_copy_(0, meta.copy_slots, x[meta.copy_rows])
     return cache.view(meta.num_blocks, ATTN_BLOCK, *x.shape[1:])
 
 
@@ -83,8 +84,9 @@ def _private_cache_grad(grad_cache: torch.Tensor, meta: AttentionMeta, rows: int
     """The gradient of `_private_cache`'s x for its output's gradient: each row's slot, plus
     (summed) the slots it was copied to for other completions of its prompt."""
     flat = grad_cache.view(-1, *grad_cache.shape[2:])
-    grad = flat.new_zeros((rows, *flat.shape[1:]))
-    grad[: meta.num_tokens] = flat.index_select(0, meta.slot_mapping)
+    grad = flat.new_empty((rows, *flat.shape[1:]))
+    torch.index_select(flat, 0, meta.slot_mapping, out=grad[: meta.num_tokens])
+    grad[meta.num_tokens :].zero_()
     if meta.copy_slots is not None:
         copies = flat.new_zeros(grad.shape).index_put_((meta.copy_rows,), flat.index_select(0, meta.copy_slots), accumulate=True)
         grad = grad + copies
