@@ -143,7 +143,7 @@ def test_packed_path_is_used_only_while_it_holds(monkeypatch):
     assert {256, 1024} <= {w.shape[0] for w in calls}  # q+k+v (128+64+64) and gate+up (512+512)
     # With gradients wanted, one GEMM on the weights joined for the pass: autograd reaches the leaves.
     # (The op path's `project`; the layer as one autograd node: tests/test_train_layer.py.)
-    monkeypatch.setattr(invariant, "train_decoder_layer", lambda *args: None)
+    monkeypatch.setattr(invariant, "train_attention", lambda *args: None)
     calls.clear()
     meta, _ = AttentionMeta.for_sequences([3], row_tile=model.numerics.row_tile)
     model(torch.tensor([1, 2, 3]), meta).float().sum().backward()

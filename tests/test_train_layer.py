@@ -1,8 +1,9 @@
-"""A dense decoder layer's training forward as one autograd node (rzero/ops/train_layer.py): the
-logprobs have the bits of the layer's ops run one by one, the gradients too (every parameter, fp32
-and bf16, 1 and 2 threads, GRPO groups whose prompts end inside a cache block), under gradient
-checkpointing as well; a backward that drops a term is caught; it runs in every dense layer of a
-training forward and stays out where it does not apply."""
+"""A decoder layer's training forward as two autograd nodes, its attention block and its dense MLP
+block (rzero/ops/train_layer.py): the logprobs have the bits of the layer's ops run one by one,
+the gradients too (every parameter, fp32 and bf16, 1 and 2 threads, GRPO groups whose prompts end
+inside a cache block, MoE layers' attention blocks), under gradient checkpointing as well; a
+backward that drops a term is caught; the blocks run in every layer they apply to and stay out
+where they do not."""
 
 from __future__ import annotations
 
@@ -33,15 +34,18 @@ def _rollouts(seed: int, vocab: int) -> list[Rollout]:
     return rollouts
 
 
-def _logprobs_and_grads(model, rollouts, fused: bool, monkeypatch) -> tuple[list[torch.Tensor], dict, int]:
-    """Token logprobs, the gradients of a weighted sum of them, and how many layers ran fused."""
+def _logprobs_and_grads(model, rollouts, fused: bool, monkeypatch) -> tuple[list[torch.Tensor], dict, dict]:
+    """Token logprobs, the gradients of a weighted sum of them, and how many blocks of each kind
+    ran as one node."""
     with monkeypatch.context() as patch:
         if not fused:
-            patch.setattr(invariant, "train_decoder_layer", lambda *args: None)
+            patch.setattr(invariant, "train_attention", lambda *args: None)
+            patch.setattr(invariant, "train_mlp", lambda *args: None)
         model.zero_grad(set_to_none=True)
-        before = sum(train_layer.CALLS.values())
+        before = dict(train_layer.CALLS)
         lps = Trainer.token_logprobs(model, rollouts, share_prompts=True)
-        ran = sum(train_layer.CALLS.values()) - before
+        ran = {kind: sum(n - before.get(k, 0) for k, n in train_layer.CALLS.items() if k.startswith(kind))
+               for kind in ("attention", "mlp")}
         flat = torch.cat(lps)
         (flat.float() * torch.linspace(-1, 1, len(flat))).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -76,9 +80,22 @@ def test_one_node_gives_the_ops_logprobs_and_gradients(tiny_dense_dir, dtype, th
         torch.set_num_threads(previous)
         model.gradient_checkpointing = False
     layers = model.config.num_hidden_layers
-    assert fused[2] == checkpointed[2] == layers and ops[2] == 0
+    assert fused[2] == checkpointed[2] == {"attention": layers, "mlp": layers}
+    assert ops[2] == {"attention": 0, "mlp": 0}
     _assert_same(fused, ops)
     _assert_same(checkpointed, ops)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_moe_layer_runs_its_attention_block_as_one_node(tiny_moe_dir, dtype, monkeypatch):
+    """The experts run op by op after it; logprobs and gradients are still the ops' bits."""
+    model = load_model(tiny_moe_dir, dtype)
+    rollouts = _rollouts(11, model.config.vocab_size)
+    fused = _logprobs_and_grads(model, rollouts, True, monkeypatch)
+    ops = _logprobs_and_grads(model, rollouts, False, monkeypatch)
+    assert fused[2] == {"attention": model.config.num_hidden_layers, "mlp": 0}
+    _assert_same(fused, ops)
 
 
 @needs_kernel
@@ -97,28 +114,29 @@ def test_a_backward_that_drops_the_shared_prompt_copies_is_caught(tiny_dense_dir
 
     monkeypatch.setattr(train_layer, "_private_cache_grad", without_copies)
     fused = _logprobs_and_grads(model, rollouts, True, monkeypatch)
-    assert fused[2] == model.config.num_hidden_layers
+    assert fused[2]["attention"] == model.config.num_hidden_layers
     assert all(torch.equal(x, y) for x, y in zip(fused[0], ops[0]))  # the forward is untouched
     differs = [name for name in ops[1] if not torch.equal(fused[1][name], ops[1][name])]
     assert any("k_proj" in name for name in differs) and any("v_proj" in name for name in differs)
 
 
 def test_it_stays_out_where_it_does_not_apply(tiny_model_dirs, monkeypatch):
-    """MoE layers, standard numerics, no gradient, and (dense, invariant) a model whose MLP width
-    is not a multiple of the elementwise tile run the ops."""
+    """Standard numerics and no gradient run the ops; so does (dense, invariant) an MLP whose width
+    is not a multiple of the elementwise tile."""
     rollouts = _rollouts(7, 1000)
-    moe = load_model(tiny_model_dirs["tiny-moe"], "fp32")
-    assert _logprobs_and_grads(moe, rollouts, True, monkeypatch)[2] == 0
     dense = load_model(tiny_model_dirs["tiny-dense"], "fp32")
     dense.numerics = numerics("standard")
-    assert _logprobs_and_grads(dense, rollouts, True, monkeypatch)[2] == 0
+    assert _logprobs_and_grads(dense, rollouts, True, monkeypatch)[2] == {"attention": 0, "mlp": 0}
     dense.numerics = numerics("invariant")
-    before = sum(train_layer.CALLS.values())
+    before = dict(train_layer.CALLS)
     with torch.no_grad():
         Trainer.token_logprobs(dense, rollouts)
-    assert sum(train_layer.CALLS.values()) == before
-    params = dense.model.layers[0].train_params()
-    odd = params._replace(gate=params.gate[:96], up=params.up[:96], down=params.down[:, :96])
-    h = torch.zeros(16, dense.config.hidden_size)
-    assert not train_layer.applies(h, odd, torch.zeros(16, 1, dense.config.head_dim))
-    assert train_layer.applies(h, params, torch.zeros(16, 1, dense.config.head_dim)) == (train_layer.cpu_kernel.library() is not None)
+    assert dict(train_layer.CALLS) == before
+    layer = dense.model.layers[0]
+    mlp, attention = layer.mlp_params(), layer.attention_params()
+    odd = mlp._replace(gate=mlp.gate[:96], up=mlp.up[:96], down=mlp.down[:, :96])
+    h, cos = torch.zeros(16, dense.config.hidden_size), torch.zeros(16, 1, dense.config.head_dim)
+    built = train_layer.cpu_kernel.library() is not None
+    assert not train_layer.mlp_applies(h, odd) and train_layer.mlp_applies(h, mlp) == built
+    assert train_layer.attention_applies(h, attention, cos) == built
+    assert not train_layer.attention_applies(h.bfloat16(), attention, cos)  # one dtype throughout

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rzero.ops import ATTN_BLOCK, AttentionMeta, DenseLayerParams, DenseLayerWeights, Numerics, joined, packed
+from rzero.ops import ATTN_BLOCK, AttentionMeta, AttentionParams, DenseLayerWeights, MLPParams, Numerics, joined, packed
 from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
@@ -231,23 +231,25 @@ class DecoderLayer(nn.Module):
             out = None if weights is None else nx.decoder_layer(h, weights, cos, sin, cache, meta, self.self_attn.scale)
             if out is not None:
                 return out
-        elif cache is None and torch.is_grad_enabled() and type(self.mlp) is MLP:  # training: one autograd node?
-            out = nx.train_decoder_layer(h, self.train_params(), cos, sin, meta)
-            if out is not None:
-                return out
+        elif cache is None and torch.is_grad_enabled():  # training: each block as one autograd node?
+            h2 = nx.train_attention(h, self.attention_params(), cos, sin, meta)
+            if h2 is not None:
+                out = nx.train_mlp(h2, self.mlp_params()) if type(self.mlp) is MLP else None
+                return out if out is not None else h2 + self.mlp(self.post_attention_layernorm(h2, nx), nx)
         h = h + self.self_attn(self.input_layernorm(h, nx), cos, sin, meta, cache, nx)
         return h + self.mlp(self.post_attention_layernorm(h, nx), nx)
 
-    def train_params(self) -> DenseLayerParams:
-        """This (dense) layer's parameters for `Numerics.train_decoder_layer`."""
-        attn, mlp = self.self_attn, self.mlp
-        norms = self.input_layernorm, attn.q_norm, attn.k_norm, self.post_attention_layernorm
-        return DenseLayerParams(
-            self.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-            attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight, self.post_attention_layernorm.weight,
-            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, tuple(n.eps for n in norms),
-            attn.scale, attn.num_heads, attn.num_kv_heads,
-        )
+    def attention_params(self) -> AttentionParams:
+        """This layer's attention block for `Numerics.train_attention`."""
+        a = self.self_attn
+        return AttentionParams(self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                               a.q_norm.weight, a.k_norm.weight, a.o_proj.weight,
+                               (self.input_layernorm.eps, a.q_norm.eps, a.k_norm.eps), a.scale, a.num_heads, a.num_kv_heads)
+
+    def mlp_params(self) -> MLPParams:
+        """This (dense) layer's MLP block for `Numerics.train_mlp`."""
+        m, norm = self.mlp, self.post_attention_layernorm
+        return MLPParams(norm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, norm.eps)
 
     def dense_weights(self) -> DenseLayerWeights | None:
         """This layer's weights for `Numerics.decoder_layer`: a dense MLP, q/k/v and gate/up packed

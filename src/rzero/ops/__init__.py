@@ -11,7 +11,7 @@ from rzero.ops.device import DEVICE_NAMES, resolve_device
 from rzero.ops.layout import joined, packed
 from rzero.ops.numerics import INVARIANT, NUMERICS_MODES, STANDARD, Numerics, inside_op, numerics, trace_dispatch
 from rzero.ops.sampling import SamplingTransform
-from rzero.ops.train_layer import DenseLayerParams
+from rzero.ops.train_layer import AttentionParams, MLPParams
 
 __all__ = [
     "ATTN_BLOCK",
@@ -20,8 +20,9 @@ __all__ = [
     "NUMERICS_MODES",
     "STANDARD",
     "AttentionMeta",
-    "DenseLayerParams",
+    "AttentionParams",
     "DenseLayerWeights",
+    "MLPParams",
     "Numerics",
     "SamplingTransform",
     "inside_op",

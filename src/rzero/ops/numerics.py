@@ -28,7 +28,7 @@ from rzero.ops import standard as _standard
 from rzero.ops.attention_meta import AttentionMeta
 from rzero.ops.cpu_layer import DenseLayerWeights
 from rzero.ops.sampling import SamplingTransform
-from rzero.ops.train_layer import DenseLayerParams
+from rzero.ops.train_layer import AttentionParams, MLPParams
 
 NUMERICS_MODES = ("invariant", "standard")
 
@@ -181,15 +181,22 @@ class Numerics:
         return None if fused is None else fused(h, weights, cos, sin, meta, cache, scale)
 
     @_op
-    def train_decoder_layer(
-        self, h: torch.Tensor, params: DenseLayerParams, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta
+    def train_attention(
+        self, h: torch.Tensor, params: AttentionParams, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta
     ) -> torch.Tensor | None:
-        """A training forward (whole sequences, gradients wanted) through a dense decoder layer
-        (its `params`) as one autograd node, with the bits of the layer's ops one by one and their
-        gradients (invariant numerics on the CPU: rzero/ops/train_layer.py); None elsewhere, and
-        the caller runs the ops."""
-        fused = getattr(self._on(h), "train_decoder_layer", None)
+        """h + a decoder layer's attention block (its `params`) for a training forward (whole
+        sequences, gradients wanted) as one autograd node, with the bits of the block's ops one by
+        one and their gradients (invariant numerics on the CPU: rzero/ops/train_layer.py); None
+        elsewhere, and the caller runs the ops."""
+        fused = getattr(self._on(h), "train_attention", None)
         return None if fused is None else fused(h, params, cos, sin, meta)
+
+    @_op
+    def train_mlp(self, h: torch.Tensor, params: MLPParams) -> torch.Tensor | None:
+        """h + a dense MLP block (its `params`, the post-attention norm first) as one autograd
+        node, as `train_attention`; None where it does not apply."""
+        fused = getattr(self._on(h), "train_mlp", None)
+        return None if fused is None else fused(h, params)
 
     @_op
     def moe_route(self, router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

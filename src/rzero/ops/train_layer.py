@@ -1,4 +1,6 @@
-"""A training forward through a dense decoder layer as one autograd node (invariant numerics, CPU).
+"""A decoder layer's training forward in two autograd nodes (invariant numerics, CPU): its
+attention block, h2 = h + o_proj(attention(norm(h))), and, for a dense MLP, its MLP block,
+h2 + down(silu(gate) * up) of norm(h2).
 
 Op by op, a layer's training forward records ~30 autograd nodes (linears, norms, rotary, the
 private KV cache's index copies, attention, SwiGLU, splits, concatenations, residual adds) and its
@@ -6,12 +8,12 @@ backward walks them one at a time. Here the forward runs the very same kernels o
 in the same order, so every output has the op path's bits (the engine's: C9 holds unchanged),
 and the backward is written out: each op's gradient formula, the one its own autograd node
 applies (`_Linear`, `_RMSNorm`, `_Rotary`, `_KernelAttention`, SiLU and product, index copies),
-in reverse order. Gradients equal the op path's up to the order in which a tensor's several
-gradient terms are summed (tests/test_train_layer.py).
+in reverse order. Gradients equal the op path's bit for bit (tests/test_train_layer.py).
 
-Applies where every op of the layer takes the C kernels' path: the C library is built, fp32 or
-bf16 throughout, a dense MLP whose width is a multiple of the elementwise tile; the caller runs
-the ops otherwise (`Numerics.train_decoder_layer` returns None).
+A block applies where every op in it takes the C kernels' path: the C library is built, fp32 or
+bf16 throughout, and (MLP) a width that is a multiple of the elementwise tile; the caller runs
+the ops otherwise (`Numerics.train_attention` / `train_mlp` return None). An MoE layer runs its
+attention block here and its experts op by op.
 """
 
 from __future__ import annotations
@@ -26,14 +28,13 @@ from rzero.ops import cpu_kernel
 from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
 from rzero.ops.layout import joined
 
-
-# Training forwards run as one node in this process, by dtype (`rzero check` reports them).
+# Blocks run as one node in this process, by block and dtype (`rzero check` reports them).
 CALLS: Counter[str] = Counter()
 
 
-class DenseLayerParams(NamedTuple):
-    """A dense decoder layer's parameters as the model holds them (separate q/k/v and gate/up, the
-    tensors autograd hands gradients to), its norms' eps and its attention scale."""
+class AttentionParams(NamedTuple):
+    """A layer's attention block as the model holds it (separate q/k/v, the tensors autograd hands
+    gradients to), its norms' eps (input, q, k), its scale and head counts."""
 
     input_norm: torch.Tensor
     q: torch.Tensor
@@ -42,32 +43,40 @@ class DenseLayerParams(NamedTuple):
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     o: torch.Tensor
-    post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    eps: tuple[float, float, float, float]  # input, q, k, post-attention norm
+    eps: tuple[float, float, float]
     scale: float
     heads: int
     kv_heads: int
 
 
-def applies(h: torch.Tensor, params: DenseLayerParams, cos: torch.Tensor) -> bool:
-    """Whether every op of the layer runs on the C kernels here (the op path's choice, op by op)."""
-    from rzero.ops.invariant_rows import ELEMENTWISE_TILE
+class MLPParams(NamedTuple):
+    """A dense layer's MLP block: the post-attention norm (and its eps) and the SwiGLU weights."""
 
-    weights = params[:11]
-    dtype = h.dtype
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    eps: float
+
+
+def _kernels_apply(h: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
     return (
         cpu_kernel.library() is not None
         and h.device.type == "cpu"
         and h.dim() == 2
-        and dtype in (torch.float32, torch.bfloat16)
-        and cos.dtype == dtype
-        and all(w.dtype == dtype and w.device.type == "cpu" for w in weights)
-        and params.gate.shape[0] % ELEMENTWISE_TILE == 0
-        and params.q.shape[0] // params.heads % 2 == 0
+        and h.dtype in (torch.float32, torch.bfloat16)
+        and all(w.dtype == h.dtype and w.device.type == "cpu" for w in weights)
     )
+
+
+def attention_applies(h: torch.Tensor, params: AttentionParams, cos: torch.Tensor) -> bool:
+    return _kernels_apply(h, params[:7]) and cos.dtype == h.dtype and params.q.shape[0] // params.heads % 2 == 0
+
+
+def mlp_applies(h: torch.Tensor, params: MLPParams) -> bool:
+    from rzero.ops.invariant_rows import ELEMENTWISE_TILE
+
+    return _kernels_apply(h, params[:4]) and params.gate.shape[0] % ELEMENTWISE_TILE == 0
 
 
 def _private_cache(x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
@@ -94,17 +103,33 @@ def _private_cache_grad(grad_cache: torch.Tensor, meta: AttentionMeta, rows: int
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The invariant linear's forward, and the operands it multiplied (`_Linear` keeps the same)."""
     from rzero.ops.invariant import _linear_forward
 
     operands: list[torch.Tensor] = []
     return _linear_forward(x, weight, operands=operands), operands
 
 
-class _DenseLayer(torch.autograd.Function):
+def _linear_grad(operands: list[torch.Tensor], grad_output: torch.Tensor, want_weight: bool):
+    """(input grad, weight grad) of a linear from its forward's operands: `_Linear`'s backward."""
+    from rzero.ops.invariant import linear_backward
+
+    dtype = grad_output.dtype
+    return linear_backward(operands[0], operands[1], grad_output, dtype, dtype, True, want_weight)
+
+
+def _split_rows(grad: torch.Tensor | None, *weights: torch.Tensor) -> tuple:
+    """A joined weight's gradient back to each weight's rows (None: no gradient wanted)."""
+    if grad is None:
+        return (None,) * len(weights)
+    return tuple(grad.split([w.shape[0] for w in weights]))
+
+
+class _AttentionBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, cos, sin, meta, params, *weights):
-        w_in, wq, wk, wv, wqn, wkn, wo, w_post, wg, wu, wd = weights
-        eps_in, eps_q, eps_k, eps_post = params.eps
+        w_in, wq, wk, wv, wqn, wkn, wo = weights
+        eps_in, eps_q, eps_k = params.eps
         rows, heads, kv_heads = h.shape[0], params.heads, params.kv_heads
         head_dim = wq.shape[0] // heads
         n1 = cpu_kernel.rms_norm(h, w_in, eps_in)
@@ -117,36 +142,18 @@ class _DenseLayer(torch.autograd.Function):
         k_cache, v_cache = _private_cache(k_rot, meta), _private_cache(v, meta)
         attn = cpu_kernel.attention(q_rot, k_cache, v_cache, meta, params.scale).reshape(rows, heads * head_dim)
         o, o_ops = _linear(attn, wo)
-        h2 = h + o
-        n2 = cpu_kernel.rms_norm(h2, w_post, eps_post)
-        gate_up, gate_up_ops = _linear(n2, joined([wg, wu]))
-        gate, up = gate_up.split_with_sizes([wg.shape[0], wu.shape[0]], dim=-1)
-        silu = F.silu(gate)
-        down, down_ops = _linear(silu * up, wd)
         ctx.meta, ctx.params = meta, params
-        ctx.save_for_backward(
-            h, cos, sin, w_in, wqn, wkn, w_post, q, k, q_rot, k_cache, v_cache, h2, gate, up, silu,
-            *qkv_ops, *o_ops, *gate_up_ops, *down_ops,
-        )
-        return h2 + down
+        ctx.save_for_backward(h, cos, sin, w_in, wqn, wkn, q, k, q_rot, k_cache, v_cache, *qkv_ops, *o_ops)
+        return h + o
 
     @staticmethod
-    def backward(ctx, grad_out):
-        (h, cos, sin, w_in, wqn, wkn, w_post, q, k, q_rot, k_cache, v_cache, h2, gate, up, silu,
-         *operands) = ctx.saved_tensors
+    def backward(ctx, grad_h2):
+        h, cos, sin, w_in, wqn, wkn, q, k, q_rot, k_cache, v_cache, *operands = ctx.saved_tensors
         meta, params = ctx.meta, ctx.params
-        eps_in, eps_q, eps_k, eps_post = params.eps
+        eps_in, eps_q, eps_k = params.eps
         want = ctx.needs_input_grad[5:]  # the weights', in `weights` order
         rows = h.shape[0]
-        linear_grad = _linear_grads(operands, h.dtype)
-        # MLP: down, SwiGLU (the product's and SiLU's gradients), gate/up, post-attention norm
-        d_act, grad_down = linear_grad(3, grad_out, want[10])
-        d_gate_up = torch.cat((torch.ops.aten.silu_backward(d_act * up, gate), d_act * silu), dim=-1)
-        d_n2, grad_gate_up = linear_grad(2, d_gate_up, want[8] or want[9])
-        d_h2, grad_post = cpu_kernel.rms_norm_backward(h2, w_post, eps_post, d_n2, True, want[7])
-        d_h2 = grad_out + d_h2  # the residual's and the norm's
-        # attention: o_proj, the kernel's backward, the private caches, rotary, q/k norms, q/k/v
-        d_attn, grad_o = linear_grad(1, d_h2, want[6])
+        d_attn, grad_o = _linear_grad(operands[2:], grad_h2, want[6])
         dq, dk_cache, dv_cache = cpu_kernel.attention_backward(
             q_rot, k_cache, v_cache, meta, params.scale, d_attn.view(q_rot.shape)
         )
@@ -156,37 +163,57 @@ class _DenseLayer(torch.autograd.Function):
         dq, grad_qn = cpu_kernel.rms_norm_backward(q, wqn, eps_q, cpu_kernel.rotary_backward(dq, cos, sin), True, want[4])
         dk, grad_kn = cpu_kernel.rms_norm_backward(k, wkn, eps_k, cpu_kernel.rotary_backward(dk_rot, cos, sin), True, want[5])
         d_qkv = torch.cat((dq.view(rows, -1), dk.view(rows, -1), dv.view(rows, -1)), dim=-1)
-        d_n1, grad_qkv = linear_grad(0, d_qkv, want[1] or want[2] or want[3])
+        d_n1, grad_qkv = _linear_grad(operands[:2], d_qkv, want[1] or want[2] or want[3])
         d_h, grad_in = cpu_kernel.rms_norm_backward(h, w_in, eps_in, d_n1, ctx.needs_input_grad[0], want[0])
-        d_h = None if d_h is None else d_h2 + d_h
-        grads_qkv = _split_rows(grad_qkv, params.q, params.k, params.v)
-        grads_gate_up = _split_rows(grad_gate_up, params.gate, params.up)
-        weight_grads = (grad_in, *grads_qkv, grad_qn, grad_kn, grad_o, grad_post, *grads_gate_up, grad_down)
+        d_h = None if d_h is None else grad_h2 + d_h  # the residual's and the norm's
+        weight_grads = (grad_in, *_split_rows(grad_qkv, params.q, params.k, params.v), grad_qn, grad_kn, grad_o)
         return d_h, None, None, None, None, *(g if w else None for g, w in zip(weight_grads, want))
 
 
-def _linear_grads(operands: list[torch.Tensor], dtype: torch.dtype):
-    """grad(i, grad_output, want_weight) -> (input grad, weight grad) of the layer's i-th linear
-    (q/k/v, o, gate/up, down), from the operands its forward multiplied: `_Linear`'s backward."""
-    from rzero.ops.invariant import linear_backward
+class _MLPBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h2, params, *weights):
+        w_post, wg, wu, wd = weights
+        n2 = cpu_kernel.rms_norm(h2, w_post, params.eps)
+        gate_up, gate_up_ops = _linear(n2, joined([wg, wu]))
+        gate, up = gate_up.split_with_sizes([wg.shape[0], wu.shape[0]], dim=-1)
+        silu = F.silu(gate)
+        down, down_ops = _linear(silu * up, wd)
+        ctx.params = params
+        ctx.save_for_backward(h2, w_post, gate, up, silu, *gate_up_ops, *down_ops)
+        return h2 + down
 
-    def grad(i: int, grad_output: torch.Tensor, want_weight: bool):
-        return linear_backward(operands[2 * i], operands[2 * i + 1], grad_output, dtype, dtype, True, want_weight)
+    @staticmethod
+    def backward(ctx, grad_out):
+        h2, w_post, gate, up, silu, *operands = ctx.saved_tensors
+        params = ctx.params
+        want = ctx.needs_input_grad[2:]
+        d_act, grad_down = _linear_grad(operands[2:], grad_out, want[3])
+        # SwiGLU: the product's gradient, then SiLU's, into the joined gate/up gradient
+        d_gate_up = torch.cat((torch.ops.aten.silu_backward(d_act * up, gate), d_act * silu), dim=-1)
+        d_n2, grad_gate_up = _linear_grad(operands[:2], d_gate_up, want[1] or want[2])
+        d_h2, grad_post = cpu_kernel.rms_norm_backward(h2, w_post, params.eps, d_n2, ctx.needs_input_grad[0], want[0])
+        d_h2 = None if d_h2 is None else grad_out + d_h2  # the residual's and the norm's
+        weight_grads = (grad_post, *_split_rows(grad_gate_up, params.gate, params.up), grad_down)
+        return d_h2, None, *(g if w else None for g, w in zip(weight_grads, want))
 
-    return grad
+
+def _dtype_name(h: torch.Tensor) -> str:
+    return "bf16" if h.dtype == torch.bfloat16 else "fp32"
 
 
-def _split_rows(grad: torch.Tensor | None, *weights: torch.Tensor) -> tuple:
-    """A joined weight's gradient back to each weight's rows (None: no gradient wanted)."""
-    if grad is None:
-        return (None,) * len(weights)
-    return tuple(grad.split([w.shape[0] for w in weights]))
-
-
-def dense_layer(h: torch.Tensor, params: DenseLayerParams, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMeta) -> torch.Tensor | None:
-    """The layer's output, as one autograd node, or None where `applies` says no."""
-    if not applies(h, params, cos):
+def attention_block(h: torch.Tensor, params: AttentionParams, cos: torch.Tensor, sin: torch.Tensor,
+                    meta: AttentionMeta) -> torch.Tensor | None:
+    """h + the attention block's output, as one autograd node, or None where it does not apply."""
+    if not attention_applies(h, params, cos):
         return None
-    CALLS["bf16" if h.dtype == torch.bfloat16 else "fp32"] += 1
-    return _DenseLayer.apply(h, cos, sin, meta, params, *params[:11])
+    CALLS[f"attention {_dtype_name(h)}"] += 1
+    return _AttentionBlock.apply(h, cos, sin, meta, params, *params[:7])
+
+
+def mlp_block(h2: torch.Tensor, params: MLPParams) -> torch.Tensor | None:
+    """h2 + the dense MLP block's output, as one autograd node, or None where it does not apply."""
+    if not mlp_applies(h2, params):
+        return None
+    CALLS[f"mlp {_dtype_name(h2)}"] += 1
+    return _MLPBlock.apply(h2, params, *params[:4])
