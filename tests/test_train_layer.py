@@ -140,3 +140,20 @@ def test_it_stays_out_where_it_does_not_apply(tiny_model_dirs, monkeypatch):
     assert not train_layer.mlp_applies(h, odd) and train_layer.mlp_applies(h, mlp) == built
     assert train_layer.attention_applies(h, attention, cos) == built
     assert not train_layer.attention_applies(h.bfloat16(), attention, cos)  # one dtype throughout
+
+
+@needs_kernel
+def test_frozen_parameters_get_no_gradient_and_the_rest_the_ops(tiny_dense_dir, monkeypatch):
+    """Parameters that want no gradient (a frozen embedding, norms and projections) get none, and
+    every other one the op path's bits."""
+    model = load_model(tiny_dense_dir, "fp32")
+    frozen = ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight",
+              "model.layers.2.mlp.down_proj.weight", "model.layers.3.self_attn.k_norm.weight")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    rollouts = _rollouts(13, model.config.vocab_size)
+    fused = _logprobs_and_grads(model, rollouts, True, monkeypatch)
+    ops = _logprobs_and_grads(model, rollouts, False, monkeypatch)
+    assert fused[2]["attention"] == model.config.num_hidden_layers
+    assert not set(frozen) & set(fused[1])
+    _assert_same(fused, ops)
