@@ -121,7 +121,7 @@ def report(results: list[CheckResult], model_dir: str | Path, numerics: str, dty
         "cpu_bf16_gemm": bf16_gemm(),  # which GEMM a CPU bf16 linear runs (gemm_route.bf16_gemm)
         "cpu_bf16_kernel": bf16_kernel(),  # small bf16 weights on rzero's own GEMM (gemm_route.bf16_kernel)
         "cpu_decoder_layer_calls": dict(cpu_layer.CALLS),  # engine layers run in one C call (ops/cpu_layer.py)
-        "train_layer_calls": dict(train_layer.CALLS),  # training layers run as one autograd node (ops/train_layer.py)
+        "train_layer_calls": dict(train_layer.CALLS),  # training blocks run as one autograd node each (ops/train_layer.py)
         "passed": all(r.passed for r in results),
         "checks": [r.to_json() for r in results],
     }
