@@ -19,7 +19,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rzero.ops import ATTN_BLOCK, AttentionMeta, AttentionParams, DenseLayerWeights, MLPParams, Numerics, joined, packed
+from rzero.ops import (
+    ATTN_BLOCK, AttentionMeta, AttentionParams, DenseLayerWeights, MLPParams, Numerics, joined, packed, private_cache,
+)
 from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
@@ -187,17 +189,8 @@ class Attention(nn.Module):
             return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim), nx)
         q, k = self.q_norm(q, nx), self.k_norm(k, nx)
         q, k = nx.apply_rotary(q, cos, sin), nx.apply_rotary(k, cos, sin)
-        # Whole sequences (the trainer): a private cache built out of place, so autograd flows.
-        real = meta.num_tokens
-        shape = (meta.num_blocks * ATTN_BLOCK, self.num_kv_heads, self.head_dim)
-        k_cache = k.new_zeros(shape).index_copy(0, meta.slot_mapping, k[:real])
-        v_cache = v.new_zeros(shape).index_copy(0, meta.slot_mapping, v[:real])
-        if meta.copy_slots is not None:  # a shared prompt's partial block, once per completion
-            k_cache = k_cache.index_copy(0, meta.copy_slots, k[meta.copy_rows])
-            v_cache = v_cache.index_copy(0, meta.copy_slots, v[meta.copy_rows])
-        k_cache = k_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
-        v_cache = v_cache.view(meta.num_blocks, ATTN_BLOCK, self.num_kv_heads, self.head_dim)
-        out = nx.attention(q, k_cache, v_cache, meta, self.scale)
+        # Whole sequences (the trainer): a private cache of their own, which autograd flows through.
+        out = nx.attention(q, private_cache(k, meta), private_cache(v, meta), meta, self.scale)
         return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim), nx)
 
 

@@ -173,3 +173,15 @@ class AttentionMeta:
             meta.copy_slots = torch.tensor(copy_slots, dtype=torch.long)
             meta.copy_rows = torch.tensor(copy_rows, dtype=torch.long)
         return meta
+
+
+def private_cache(x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    """Whole sequences' keys (or values) x (rows, Hkv, D) in a paged cache of their own, as the
+    attention kernels read them: zeros, each token's row at its slot, and a shared prompt's partial
+    block's rows again in each other completion's first block (`for_shared_prompts`). In place on
+    a fresh tensor, so autograd records it as two index copies where x wants a gradient."""
+    cache = x.new_zeros((meta.num_blocks * ATTN_BLOCK, *x.shape[1:]))
+    cache.index_copy_(0, meta.slot_mapping, x[: meta.num_tokens])
+    if meta.copy_slots is not None:
+        cache.index_copy_(0, meta.copy_slots, x[meta.copy_rows])
+    return cache.view(meta.num_blocks, ATTN_BLOCK, *x.shape[1:])

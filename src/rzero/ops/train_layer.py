@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from rzero.ops import cpu_kernel
-from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta
+from rzero.ops.attention_meta import AttentionMeta, private_cache
 from rzero.ops.layout import joined
 
 # Blocks run as one node in this process, by block and dtype (`rzero check` reports them).
@@ -79,18 +79,8 @@ def mlp_applies(h: torch.Tensor, params: MLPParams) -> bool:
     return _kernels_apply(h, params[:4]) and params.gate.shape[0] % ELEMENTWISE_TILE == 0
 
 
-def _private_cache(x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    """The whole sequences' keys (or values) x (rows, Hkv, D) in a private paged cache, as
-    `Attention.forward` builds it op by op (zeros, rows at slot_mapping, shared prompt rows again)."""
-    cache = x.new_zeros((meta.num_blocks * ATTN_BLOCK, *x.shape[1:]))  # in place: no autograd records it here
-    cache.index_copy_(0, meta.slot_mapping, x[: meta.num_tokens])
-    if meta.copy_slots is not None:
-        cache.index_copy_(0, meta.copy_slots, x[meta.copy_rows])
-    return cache.view(meta.num_blocks, ATTN_BLOCK, *x.shape[1:])
-
-
 def _private_cache_grad(grad_cache: torch.Tensor, meta: AttentionMeta, rows: int) -> torch.Tensor:
-    """The gradient of `_private_cache`'s x for its output's gradient: each row's slot, plus
+    """The gradient of `private_cache`'s x for its output's gradient: each row's slot, plus
     (summed) the slots it was copied to for other completions of its prompt."""
     flat = grad_cache.view(-1, *grad_cache.shape[2:])
     grad = flat.new_empty((rows, *flat.shape[1:]))
@@ -139,7 +129,7 @@ class _AttentionBlock(torch.autograd.Function):
         v = v.view(rows, kv_heads, head_dim)
         q_rot = cpu_kernel.rotary(cpu_kernel.rms_norm(q, wqn, eps_q), cos, sin)
         k_rot = cpu_kernel.rotary(cpu_kernel.rms_norm(k, wkn, eps_k), cos, sin)
-        k_cache, v_cache = _private_cache(k_rot, meta), _private_cache(v, meta)
+        k_cache, v_cache = private_cache(k_rot, meta), private_cache(v, meta)
         attn = cpu_kernel.attention(q_rot, k_cache, v_cache, meta, params.scale).reshape(rows, heads * head_dim)
         o, o_ops = _linear(attn, wo)
         ctx.meta, ctx.params = meta, params
