@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from rzero.ops import cpu_kernel
 from rzero.ops.attention_meta import AttentionMeta, private_cache
+from rzero.ops.invariant_rows import ELEMENTWISE_TILE
 from rzero.ops.layout import joined
 
 # Blocks run as one node in this process, by block and dtype (`rzero check` reports them).
@@ -74,8 +75,6 @@ def attention_applies(h: torch.Tensor, params: AttentionParams, cos: torch.Tenso
 
 
 def mlp_applies(h: torch.Tensor, params: MLPParams) -> bool:
-    from rzero.ops.invariant_rows import ELEMENTWISE_TILE
-
     return _kernels_apply(h, params[:4]) and params.gate.shape[0] % ELEMENTWISE_TILE == 0
 
 
