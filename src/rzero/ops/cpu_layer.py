@@ -94,6 +94,12 @@ def f32_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, kblock: int, lib: ct
     return out
 
 
+def _f32_fits(weight: torch.Tensor) -> bool:
+    """An fp32 weight rz_f32_gemm takes: contiguous (N, K) on the CPU, below KERNEL_MAX elements
+    (the tiny presets' shapes, where it was measured and checked)."""
+    return weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous() and weight.numel() < gemm_route.KERNEL_MAX
+
+
 def own_gemm(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> torch.Tensor | None:
     """x2 (rows, K) times a small weight (N, K) on rzero's own GEMM, with the invariant linear's
     bits: bf16 weights on the bf16 kernel where `on_kernel` (its bits are the definition there),
@@ -104,8 +110,7 @@ def own_gemm(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> torch.T
         if x2.dtype != torch.bfloat16:
             raise TypeError(f"invariant linear: input {x2.dtype} and weight {weight.dtype} must be of one dtype")
         return cpu_kernel.bf16_gemm(x2, weight_copies.kernel_panels(weight, may_cache), weight.shape[0])
-    if (weight.dtype != torch.float32 or x2.dtype != torch.float32 or not weight.is_contiguous() or not weight.is_cpu
-            or weight.numel() >= gemm_route.KERNEL_MAX or cpu_kernel.library() is None):
+    if not _f32_fits(weight) or x2.dtype != torch.float32 or cpu_kernel.library() is None:
         return None
     N, K = weight.shape
     kblock = f32_kblock(K, N, torch.get_num_threads())
@@ -180,7 +185,7 @@ def _weights_apply(w: DenseLayerWeights) -> bool:
     if dtype == torch.bfloat16:
         gemm = all(on_kernel(weight) for weight in linears)
     else:
-        gemm = dtype == torch.float32 and all(weight.is_contiguous() and weight.numel() < gemm_route.KERNEL_MAX for weight in linears)
+        gemm = all(_f32_fits(weight) for weight in linears)
     return (
         gemm
         and all(t.dtype == dtype and t.is_cpu for t in tensors)
