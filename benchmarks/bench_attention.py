@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py [--against REV] [--threads N] [--dtype bf16|fp32]
                                          [--heads 4 --kv-heads 2 --head-dim 32] [--rounds 300]
+                                         [--evict MB]
 
 Builds `src/rzero/ops/csrc/kernels.c` as it is in git revision REV (default HEAD) beside the working
 tree's, then times `cpu_kernel.attention` on both, alternating every few calls (the machine's speed
@@ -12,6 +13,12 @@ drifts; a per-round ratio cancels it), for two batches on a paged cache with shu
 - prefill: 8 sequences of 64-192 tokens (a trainer's forward: every token attends to its prefix).
 
 It also says whether both builds give the same bits: a kernel change that is only a speed-up must.
+
+`--evict MB` reads MB of other memory before every call (not timed), so that the call finds its
+K/V rows in DRAM, not in cache, as in an engine's decode step, where the weights and the other
+layers' caches pass through the caches between two calls of one layer. Measured here: the fp32
+decode batch 117 us with its 3.5 MB of K/V cached, 304 / 399 / 665 us after reading 16 / 32 / 64 MB,
+~420 us in a whole generate (docs/benchmarks.md, eighteenth session).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--calls", type=int, default=5, help="calls per contender per round")
+    p.add_argument("--evict", type=int, default=0, metavar="MB", help="read this much other memory before each call")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -73,6 +81,7 @@ def main() -> None:
             args.against: cpu_kernel.load(cpu_kernel.OPENMP_FLAGS, cache_dir=Path(tmp), source=old_source),
             "working tree": cpu_kernel.load(cpu_kernel.OPENMP_FLAGS, cache_dir=Path(tmp)),
         }
+    evict = torch.ones(args.evict * 2**18) if args.evict else None  # fp32: 2^18 per MB
     rng = random.Random(0)
     batches = {
         "decode": ([1] * 64, [rng.randint(16, 176) for _ in range(64)]),
@@ -80,7 +89,8 @@ def main() -> None:
     }
     print(f"command: python {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, heads {args.heads} / kv {args.kv_heads}, "
-          f"head_dim {args.head_dim}; median over {args.rounds} alternating rounds of {args.calls} calls")
+          f"head_dim {args.head_dim}; median over {args.rounds} alternating rounds of {args.calls} calls"
+          + (f", {args.evict} MB read before each" if args.evict else ""))
     print(f"{'batch':8s} {args.against + ' us':>14s} {'working tree us':>16s} {'ratio':>7s}  same bits")
     for name, (q_lens, ctx_lens) in batches.items():
         q, k_cache, v_cache, meta = paged_batch(q_lens, ctx_lens, args.heads, args.kv_heads, args.head_dim, dtype, seed=1)
@@ -90,10 +100,14 @@ def main() -> None:
         times: dict[str, list[float]] = {label: [] for label in builds}
         for r in range(args.rounds):
             for label, lib in builds.items() if r % 2 == 0 else reversed(builds.items()):
-                start = time.perf_counter()
+                elapsed = 0.0
                 for _ in range(args.calls):
+                    if evict is not None:
+                        evict.sum()
+                    start = time.perf_counter()
                     cpu_kernel.attention(q, k_cache, v_cache, meta, scale, lib=lib)
-                times[label].append((time.perf_counter() - start) / args.calls * 1e6)
+                    elapsed += time.perf_counter() - start
+                times[label].append(elapsed / args.calls * 1e6)
         old, new = times.values()
         ratio = statistics.median(a / b for a, b in zip(old, new))
         print(f"{name:8s} {statistics.median(old):14.1f} {statistics.median(new):16.1f} {ratio:6.2f}x  {same}")
