@@ -16,9 +16,9 @@ It also says whether both builds give the same bits: a kernel change that is onl
 
 `--evict MB` reads MB of other memory before every call (not timed), so that the call finds its
 K/V rows in DRAM, not in cache, as in an engine's decode step, where the weights and the other
-layers' caches pass through the caches between two calls of one layer. Measured here: the fp32
-decode batch 117 us with its 3.5 MB of K/V cached, 304 / 399 / 665 us after reading 16 / 32 / 64 MB,
-~420 us in a whole generate (docs/benchmarks.md, eighteenth session).
+layers' caches pass through the caches between two calls of one layer. This decode batch in fp32
+on one thread here: 117 us with its 3.5 MB of K/V cached, 304 / 399 / 665 us after reading 16 / 32 /
+64 MB; the engine's calls average ~420 us in a whole generate (docs/benchmarks.md, eighteenth session).
 """
 
 from __future__ import annotations
