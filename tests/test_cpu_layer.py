@@ -104,6 +104,7 @@ def test_the_c_layer_gives_the_bits_of_the_layers_ops(dtype, threads, monkeypatc
     """The same model and steps run twice on their own caches, once on the C layer and once op by
     op: every step's hidden states and every cache entry equal to the bit, on shuffled blocks."""
     monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
+    monkeypatch.setattr(invariant, "decoder_stack", lambda *a: None)  # one call per layer (test_cpu_stack.py: all)
     model, rng = _model(seed=7, dtype=dtype), random.Random(threads)
     blocks = list(range(24))
     rng.shuffle(blocks)
@@ -134,6 +135,7 @@ def test_the_c_layer_gives_the_bits_of_the_layers_ops(dtype, threads, monkeypatc
 @pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=needs_bf16_gemm), pytest.param("fp32", marks=needs_kernel)])
 def test_the_engines_tokens_and_logprobs_do_not_change(dtype, tiny_dense_dir, monkeypatch):
     monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
+    monkeypatch.setattr(invariant, "decoder_stack", lambda *a: None)
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(4, 40))] for _ in range(12)]
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0)
@@ -207,6 +209,7 @@ def test_the_c_layer_follows_weight_updates(dtype, tiny_dense_dir, monkeypatch):
     """After Engine.update_weights (in place: the GEMM layouts are made again), the engine's tokens
     and logprobs are those of an engine built on the new weights."""
     monkeypatch.setattr(gemm_route, "bf16_kernel", lambda: True)
+    monkeypatch.setattr(invariant, "decoder_stack", lambda *a: None)
     rng = random.Random(1)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(4, 30))] for _ in range(6)]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=5)  # not the request count's

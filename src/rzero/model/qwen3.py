@@ -328,6 +328,13 @@ class Qwen3ForCausalLM(nn.Module):
             )
         # Pad the token rows once, up front, to the numerics' row tile (see rzero.ops).
         ids = nn.functional.pad(input_ids, (0, meta.padded_tokens - meta.num_tokens))
+        if kv_caches is not None and not torch.is_grad_enabled():  # an engine step: the backbone in one call?
+            layers = [layer.dense_weights() for layer in self.model.layers]
+            out = None if None in layers else nx.decoder_stack(
+                ids, meta, self.model.embed_tokens.weight, (self.rope_cos, self.rope_sin), layers, kv_caches,
+                (self.model.norm.weight, self.model.norm.eps), self.model.layers[0].self_attn.scale)
+            if out is not None:
+                return out[: meta.num_tokens]
         cos = self.rope_cos[meta.positions].to(self.dtype).unsqueeze(1)
         sin = self.rope_sin[meta.positions].to(self.dtype).unsqueeze(1)
         h = self.model.embed_tokens(ids)

@@ -54,6 +54,7 @@ class DenseLayerWeights:
     eps: float  # every norm's (one config value)
     sources: tuple[nn.Module, ...] = ()
     plan: _Plan | None | bool = field(default=None, init=False, repr=False)  # False: the C layer does not apply
+    stack: object = field(default=None, init=False, repr=False)  # on a model's first layer: cpu_stack's arrays
     _watched: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -215,9 +216,8 @@ _PTRS = ("h", "input_norm", "qkv", "q_norm", "k_norm", "cos", "sin", "slots", "k
          "pos", "o", "post_norm", "gate_up", "down", "out", "work")
 _LINEARS = ("qkv", "o", "gate_up", "down")
 # those that change from call to call, filled in by _Plan.run in this order
-_STEP_DIMS = [_DIMS.index(n) for n in ("tokens", "rows", "heads", "kv_heads", "head_dim", "block", "table_stride")]
-_STEP_PTRS = [_PTRS.index(n) for n in ("h", "cos", "sin", "slots", "k_cache", "v_cache", "tables", "seq", "pos", "out",
-                                       "work")]
+_STEP_DIMS = [_DIMS.index(n) for n in ("tokens", "rows", "table_stride")]
+_STEP_PTRS = [_PTRS.index(n) for n in ("h", "cos", "sin", "slots", "tables", "seq", "pos", "out", "work")]
 
 
 class _Plan:
@@ -241,6 +241,7 @@ class _Plan:
         self.versions: tuple[int, ...] = ()
         self.panels: tuple[torch.Tensor, ...] = ()
         self.threads = 0  # the thread count the K blocks were set for
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the one the arrays point to
 
     def _kblocks_set(self, threads: int) -> bool:
         """fp32: the proven K block of each linear for this many threads, or False where one has none."""
@@ -254,34 +255,54 @@ class _Plan:
             self.threads = threads
         return True
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta, cache,
-            scale: float) -> torch.Tensor | None:
-        w, dims, ptrs = self.weights, self.dims, self.ptrs
-        threads = torch.get_num_threads()
+    def ready(self, threads: int) -> bool:
+        """Set for a call on this many threads: fp32's K blocks (False where one is not proven),
+        the GEMM layouts anew where a weight changed in place since the last call."""
         if not self._kblocks_set(threads):
-            return None
-        linears = tuple(getattr(w, name) for name in _LINEARS)
+            return False
+        linears = tuple(getattr(self.weights, name) for name in _LINEARS)
         versions = tuple(weight._version for weight in linears)
         if versions != self.versions:
             pack = weight_copies.kernel_panels if self.bf16 else weight_copies.f32_kernel_panels
             self.panels = tuple(pack(weight, True) for weight in linears)
             for name, panel in zip(_LINEARS, self.panels):
-                ptrs[_PTRS.index(name)] = panel.data_ptr()
+                self.ptrs[_PTRS.index(name)] = panel.data_ptr()
             self.versions = versions
+        return True
+
+    def set_cache(self, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The layer's K/V cache (its engine's) and the sizes read off it."""
+        if cache is self.cache:
+            return
+        self.cache = cache
         k_cache, v_cache = cache
-        rows, hidden = h.shape
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        heads = w.qkv.shape[0] // head_dim - 2 * kv_heads
+        for name, value in (("heads", self.weights.qkv.shape[0] // head_dim - 2 * kv_heads), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim), ("block", k_cache.shape[1])):
+            self.dims[_DIMS.index(name)] = value
+        self.ptrs[_PTRS.index("k_cache")], self.ptrs[_PTRS.index("v_cache")] = k_cache.data_ptr(), v_cache.data_ptr()
+
+    def work_elements(self, rows: int) -> int:
+        """rz_decoder_layer's scratch for this many rows, in elements of the dtype."""
+        w, heads, head_dim = self.weights, self.dims[_DIMS.index("heads")], self.dims[_DIMS.index("head_dim")]
+        return rows * (3 * w.o.shape[0] + w.qkv.shape[0] + 2 * heads * head_dim + 3 * w.down.shape[1])
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta, cache,
+            scale: float) -> torch.Tensor | None:
+        dims, ptrs, threads = self.dims, self.ptrs, torch.get_num_threads()
+        if not self.ready(threads):
+            return None
+        self.set_cache(cache)
         tables, seq, pos = cpu_kernel._token_index(meta)
         cos, sin = cos.contiguous(), sin.contiguous()  # (rows, 1, head_dim): rows of the rotary table
-        elements = rows * (3 * hidden + w.qkv.shape[0] + 2 * heads * head_dim + 3 * w.down.shape[1])
+        elements = self.work_elements(h.shape[0])
         work = scratch("decoder_layer", -(-elements // 2) if self.bf16 else elements)
         out = torch.empty_like(h)
-        for i, value in zip(_STEP_DIMS, (meta.num_tokens, rows, heads, kv_heads, head_dim, k_cache.shape[1], tables.shape[1])):
+        for i, value in zip(_STEP_DIMS, (meta.num_tokens, h.shape[0], tables.shape[1])):
             dims[i] = value
-        for i, t in zip(_STEP_PTRS, (h, cos, sin, meta.slot_mapping, k_cache, v_cache, tables, seq, pos, out, work)):
+        for i, t in zip(_STEP_PTRS, (h, cos, sin, meta.slot_mapping, tables, seq, pos, out, work)):
             ptrs[i] = t.data_ptr()
-        cpu_kernel._check(self.lib.rz_decoder_layer(self.dims_at, self.ptrs_at, w.eps, scale, threads))
+        cpu_kernel._check(self.lib.rz_decoder_layer(self.dims_at, self.ptrs_at, self.weights.eps, scale, threads))
         CALLS[self.dtype_name] += 1
         return out
 

@@ -181,6 +181,19 @@ class Numerics:
         return None if fused is None else fused(h, weights, cos, sin, meta, cache, scale)
 
     @_op
+    def decoder_stack(
+        self, ids: torch.Tensor, meta: AttentionMeta, embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        layers: list[DenseLayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]],
+        norm: tuple[torch.Tensor, float], scale: float,
+    ) -> torch.Tensor | None:
+        """An engine step's whole backbone for the padded token ids: embeddings, the dense `layers`
+        with their caches, the final norm (weight, eps), in one call with the bits of the layers
+        one by one where this numerics has it (invariant numerics on the CPU:
+        rzero/ops/cpu_stack.py); None elsewhere, and the caller runs the layers."""
+        fused = getattr(self._on(embed), "decoder_stack", None)
+        return None if fused is None else fused(ids, meta, embed, rope, layers, caches, norm, scale)
+
+    @_op
     def train_attention(
         self, h: torch.Tensor, params: AttentionParams, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta
     ) -> torch.Tensor | None:

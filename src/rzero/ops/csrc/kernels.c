@@ -1467,6 +1467,81 @@ int rz_decoder_layer(const int64_t *dims, void *const *ptrs, float eps, float sc
     return status;
 }
 
+/* An engine step's whole backbone in one call (rzero/ops/cpu_stack.py): the token embeddings, every
+   decoder layer (rz_decoder_layer, each with its own LD_ / LP_ arrays), the final RMSNorm. The same
+   kernels on the same rows as the model's forward with one rz_decoder_layer call per layer, and
+   the steps between them written out: the embedding and the rotary rows are copies (a bf16 model's
+   rows of fp32 tables rounded as torch's .to(bfloat16) rounds them), so the bits are those
+   of that forward. The step's entries of each layer's arrays are written here; the caller sets
+   the layer's own (weights, caches, sizes). Returns 5 if a token id is outside the embedding. */
+enum { SD_TOKENS, SD_PADDED, SD_TABLE_STRIDE, SD_LAYERS, SD_HIDDEN, SD_HEAD_DIM, SD_VOCAB, SD_BF16, SD_ROPE_FP32,
+       SD_EMBED_ROW_STRIDE, SD_EMBED_COL_STRIDE, SD_COUNT };
+enum { SP_IDS, SP_POSITIONS, SP_EMBED, SP_ROPE_COS, SP_ROPE_SIN, SP_SLOTS, SP_TABLES, SP_SEQ, SP_POS, SP_NORM, SP_OUT,
+       SP_SCRATCH, SP_COUNT };
+
+/* scratch: 2 * padded * (hidden + head_dim) elements of the dtype, then each layer's scratch. */
+int rz_decoder_stack(const int64_t *dims, void *const *ptrs, int64_t *const *layer_dims, void **const *layer_ptrs,
+                     const float *eps, float norm_eps, float scale, int threads) {
+    const int64_t T = dims[SD_PADDED], hidden = dims[SD_HIDDEN], D = dims[SD_HEAD_DIM], vocab = dims[SD_VOCAB];
+    const int bf16 = (int)dims[SD_BF16];
+    const int64_t size = bf16 ? 2 : 4;
+    const int64_t *ids = ptrs[SP_IDS], *positions = ptrs[SP_POSITIONS];
+    char *h[2], *cos, *sin, *work;
+    h[0] = ptrs[SP_SCRATCH];
+    h[1] = h[0] + T * hidden * size;
+    cos = h[1] + T * hidden * size;
+    sin = cos + T * D * size;
+    work = sin + T * D * size;
+    for (int64_t r = 0; r < T; r++) {
+        if (ids[r] < 0 || ids[r] >= vocab) return 5;
+        /* the embedding's row: a bf16 model's is a column of its LM head's (K, N) layout (pack_weights) */
+        const int64_t row = ids[r] * dims[SD_EMBED_ROW_STRIDE], col = dims[SD_EMBED_COL_STRIDE];
+        if (col == 1) {
+            memcpy(h[0] + r * hidden * size, (const char *)ptrs[SP_EMBED] + row * size, (size_t)(hidden * size));
+        } else if (bf16) {
+            const uint16_t *src = (const uint16_t *)ptrs[SP_EMBED] + row;
+            for (int64_t d = 0; d < hidden; d++) ((uint16_t *)h[0])[r * hidden + d] = src[d * col];
+        } else {
+            const float *src = (const float *)ptrs[SP_EMBED] + row;
+            for (int64_t d = 0; d < hidden; d++) ((float *)h[0])[r * hidden + d] = src[d * col];
+        }
+        if (bf16 && dims[SD_ROPE_FP32]) { /* a bf16 model's rows of fp32 tables */
+            const float *c = (const float *)ptrs[SP_ROPE_COS] + positions[r] * D;
+            const float *s = (const float *)ptrs[SP_ROPE_SIN] + positions[r] * D;
+            uint16_t *c16 = (uint16_t *)cos + r * D, *s16 = (uint16_t *)sin + r * D;
+            for (int64_t d = 0; d < D; d++) {
+                c16[d] = torch_bf16(c[d]);
+                s16[d] = torch_bf16(s[d]);
+            }
+        } else { /* tables in the model's dtype */
+            memcpy(cos + r * D * size, (const char *)ptrs[SP_ROPE_COS] + positions[r] * D * size, (size_t)(D * size));
+            memcpy(sin + r * D * size, (const char *)ptrs[SP_ROPE_SIN] + positions[r] * D * size, (size_t)(D * size));
+        }
+    }
+    int status = 0;
+    for (int64_t i = 0; i < dims[SD_LAYERS] && !status; i++) {
+        int64_t *ld = layer_dims[i];
+        void **lp = layer_ptrs[i];
+        ld[LD_TOKENS] = dims[SD_TOKENS];
+        ld[LD_PADDED] = T;
+        ld[LD_TABLE_STRIDE] = dims[SD_TABLE_STRIDE];
+        lp[LP_H] = h[i % 2];
+        lp[LP_OUT] = h[(i + 1) % 2];
+        lp[LP_COS] = cos;
+        lp[LP_SIN] = sin;
+        lp[LP_SLOTS] = ptrs[SP_SLOTS];
+        lp[LP_TABLES] = ptrs[SP_TABLES];
+        lp[LP_SEQ] = ptrs[SP_SEQ];
+        lp[LP_POS] = ptrs[SP_POS];
+        lp[LP_SCRATCH] = work;
+        status = rz_decoder_layer(ld, lp, eps[i], scale, threads);
+    }
+    if (!status)
+        status = rz_rms_norm(h[dims[SD_LAYERS] % 2], bf16, 1, T, 0, hidden, hidden, ptrs[SP_NORM], norm_eps, ptrs[SP_OUT],
+                             threads);
+    return status;
+}
+
 /* The elementwise parts alone, for cpu_layer.py's check against torch: act = silu_mul of the
    (rows, 2 I) gu rows, sum = a + b (n elements), in bf16 or fp32. */
 void rz_layer_elementwise(int bf16, const void *gu, int64_t rows, int64_t I, void *act, const void *a, const void *b,
