@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from rzero.ops import INVARIANT, AttentionMeta, cpu_kernel
+from rzero.ops import INVARIANT, AttentionMeta, cpu_kernel, invariant_rows
 from rzero.ops.invariant import grouping_probe
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
@@ -332,28 +332,72 @@ def test_the_one_call_attention_step_has_the_bits_of_its_ops_one_by_one(dtype, h
 
 
 @needs_kernel
-def test_the_samplers_scan_and_search_in_c_pick_the_tokens_torch_picks(tmp_path):
-    """rz_inverse_cdf against torch's cumsum (a double accumulator on the CPU) and searchsorted, on
-    rows with truncated tokens (probability 0), a NaN, uniforms at 0 and near 1, and row counts
-    that do and do not fill its groups of four; native and portable builds."""
-    from rzero.ops.sampling import _search
-
+def test_the_samplers_draw_in_c_is_the_inverse_cdf_of_its_own_exp(tmp_path):
+    """rz_inverse_cdf on logprobs, on rows with truncated tokens (logprob -inf), a NaN, uniforms at 0
+    and near 1, and row counts that do and do not fill its groups of four: the native build (its
+    exp sixteen lanes at a time) and the portable one (one by one) give the same tokens, a row gives
+    its token alone or in a batch, and the token's prefix brackets uniform * total in torch's exp
+    and cumsum (up to the two exps' last bits); never a truncated token."""
     gen = torch.Generator().manual_seed(3)
     portable = cpu_kernel.load(PORTABLE, cache_dir=tmp_path)
     for vocab in (1, 7, 1000, 1024, 151936):
         for rows in (1, 3, 4, 9):
-            probs = torch.log_softmax(torch.randn(rows, vocab, generator=gen) * 4, -1).exp()
-            probs[0, : vocab // 2] = 0.0
+            lp = torch.log_softmax(torch.randn(rows, vocab, generator=gen) * 4, -1)
+            lp[0, : vocab // 2] = float("-inf")
             if rows > 2:
-                probs[2, vocab // 3] = float("nan")
+                lp[2, vocab // 3] = float("nan")
             uniform = torch.rand(rows, generator=gen)
             uniform[0] = 0.0
             uniform[-1] = 1.0 - 2.0**-24
-            expected = _search(probs.clone().cumsum_(-1), uniform)
-            assert torch.equal(cpu_kernel.inverse_cdf(probs, uniform), expected), (vocab, rows)
-            assert torch.equal(cpu_kernel.inverse_cdf(probs, uniform, lib=portable), expected), (vocab, rows)
-    flat = torch.full((1, 8), 0.125)  # a uniform row: u = 0.5 lands exactly on a prefix, right of it
+            tokens = cpu_kernel.inverse_cdf(lp, uniform)
+            assert torch.equal(cpu_kernel.inverse_cdf(lp, uniform, lib=portable), tokens), (vocab, rows)
+            alone = torch.cat([cpu_kernel.inverse_cdf(lp[i : i + 1], uniform[i : i + 1]) for i in range(rows)])
+            assert torch.equal(alone, tokens)
+            assert rows == 1 or tokens[0] == vocab // 2  # u = 0: the first token with mass
+            cumulative = lp.double().exp().cumsum(-1)
+            for r, t in enumerate(tokens.tolist()):
+                if r == 2 and rows > 2:
+                    continue  # the NaN row: wherever its midpoints lead
+                threshold = uniform[r].item() * cumulative[r, -1].item()
+                assert lp[r, t] > float("-inf")
+                assert cumulative[r, t] >= threshold * (1 - 1e-6) and (t == 0 or cumulative[r, t - 1] <= threshold * (1 + 1e-6))
+    flat = torch.full((1, 8), -3.0)  # a uniform row: u = 0.5 lands exactly on a prefix, right of it
     assert cpu_kernel.inverse_cdf(flat, torch.tensor([0.5])).item() == 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_log_softmax_in_c_is_torchs_to_a_few_ulps_with_the_same_bits_everywhere(threads, tmp_path):
+    """rz_log_softmax: within float error of torch's, NaN and -inf where torch has them (a NaN row,
+    an all -inf row, truncated tokens); the same bits for a row alone or in a batch, on 1 or 2
+    threads, from a strided view, and in the portable build (its exp and sums one element at a
+    time); its gradient is torch's."""
+    gen = torch.Generator().manual_seed(5)
+    portable = cpu_kernel.load(PORTABLE, cache_dir=tmp_path)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for vocab in (1, 7, 17, 1024, 151936):
+            x = torch.randn(9, vocab, generator=gen) * 5
+            x[1, : vocab // 2] = float("-inf")
+            x[2, vocab // 3] = float("nan")
+            x[3] = float("-inf")
+            out, expected = cpu_kernel.log_softmax(x), torch.log_softmax(x, -1)
+            assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out == float("-inf"), expected == float("-inf"))
+            finite = expected.isfinite()
+            torch.testing.assert_close(out[finite], expected[finite], rtol=1e-6, atol=2e-6)
+            bits = out.view(torch.int32)
+            assert torch.equal(cpu_kernel.log_softmax(x, lib=portable).view(torch.int32), bits)
+            assert torch.equal(torch.cat([cpu_kernel.log_softmax(x[i : i + 1]) for i in range(9)]).view(torch.int32), bits)
+            wide = torch.cat((x, torch.zeros(9, 3)), dim=1)[:, :vocab]  # rows 3 elements apart
+            assert torch.equal(cpu_kernel.log_softmax(wide).view(torch.int32), bits)
+    finally:
+        torch.set_num_threads(previous)
+    x = (torch.randn(6, 50, generator=gen) * 3).requires_grad_()
+    weights = torch.randn(6, 50, generator=gen)
+    (ours,) = torch.autograd.grad((invariant_rows.log_softmax(x) * weights).sum(), x)
+    (theirs,) = torch.autograd.grad((torch.log_softmax(x, -1) * weights).sum(), x)
+    torch.testing.assert_close(ours, theirs)
 
 
 # ----------------------------------------------------------------------- the bf16 GEMM

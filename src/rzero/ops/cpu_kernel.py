@@ -101,34 +101,23 @@ def load(
             if not target.exists():
                 _build(compiler, flags, target, source)
     lib = ctypes.CDLL(str(target))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p  # every function returns int, ctypes' default restype
     lib.rz_attention.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr,
                                  i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
-    lib.rz_attention.restype = ctypes.c_int
     lib.rz_attention_backward.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64,
                                           ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int,
                                           ctypes.c_int]
-    lib.rz_attention_backward.restype = ctypes.c_int
     lib.rz_rms_norm.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
-    lib.rz_rms_norm.restype = ctypes.c_int
     lib.rz_rms_norm_backward.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr,
                                          ctypes.c_int]
-    lib.rz_rms_norm_backward.restype = ctypes.c_int
     lib.rz_rotary.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
-    lib.rz_rotary.restype = ctypes.c_int
     lib.rz_rotary_backward.argtypes = [ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
-    lib.rz_rotary_backward.restype = ctypes.c_int
     lib.rz_cached_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_float, ptr, ptr,
                                         ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ptr, ctypes.c_int]
-    lib.rz_cached_attention.restype = ctypes.c_int
     lib.rz_inverse_cdf.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    lib.rz_inverse_cdf.restype = ctypes.c_int
     lib.rz_bf16_pack.argtypes = [ptr, i64, i64, i64, i64, ptr]
-    lib.rz_bf16_pack.restype = ctypes.c_int
     lib.rz_bf16_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.rz_bf16_gemm.restype = ctypes.c_int
-    lib.rz_bf16_gemm_built.restype = ctypes.c_int
     return lib
 
 
@@ -205,16 +194,27 @@ def attention(
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """For each row of probs (rows, V) fp32: searchsorted(cumsum(row), uniform * total, right=True),
-    with the bits of those torch calls on the CPU, in one pass (csrc/kernels.c, rz_inverse_cdf)."""
-    lib = lib or library()
-    probs, uniform = probs.contiguous(), uniform.contiguous()
-    rows, vocab = probs.shape
+def inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """For each row of logprobs (rows, V) fp32 the sampler's draw at its uniform (csrc/kernels.c,
+    rz_inverse_cdf): the first token whose running sum of exp(logprob) passes uniform * the total."""
+    lib, logprobs, uniform = lib or library(), logprobs.contiguous(), uniform.contiguous()
+    rows, vocab = logprobs.shape
     out = torch.empty(rows, dtype=torch.long)
     threads = torch.get_num_threads()
     prefixes = scratch("inverse_cdf", threads * 4 * vocab)  # each thread's prefix sums of four rows
-    _check(lib.rz_inverse_cdf(probs.data_ptr(), rows, vocab, uniform.data_ptr(), prefixes.data_ptr(), out.data_ptr(), threads))
+    _check(lib.rz_inverse_cdf(logprobs.data_ptr(), rows, vocab, uniform.data_ptr(), prefixes.data_ptr(), out.data_ptr(),
+                              threads))
+    return out
+
+
+def log_softmax(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """log_softmax over the last dim of fp32 x, rzero's own (csrc/kernels.c, rz_log_softmax)."""
+    rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    kernel = (lib or library()).rz_log_softmax
+    if kernel.argtypes is None:  # bound here: load() also loads older sources (benchmarks/bench_attention.py)
+        kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    _check(kernel(rows.data_ptr(), rows.shape[0], x.shape[-1], rows.stride(0), out.data_ptr(), torch.get_num_threads()))
     return out
 
 

@@ -2,8 +2,9 @@
 routing. Part of the invariant numerics (rzero/ops/invariant.py: the linear layers and the
 numerics' namespace; attention in rzero/ops/invariant_attention.py). Why each is invariant:
 
-- rms_norm: our C kernel (rzero/ops/cpu_kernel.py), one fixed order per row. Without a compiler,
-  and for softmax: each row is reduced by one thread in a fixed vectorised order,
+- rms_norm and log_softmax: our C kernels (rzero/ops/cpu_kernel.py), one fixed order per row, and
+  for log_softmax our own exp and log (the same bits on every machine). Without a compiler, and
+  for softmax: each row is reduced by one thread in a fixed vectorised order,
   unless there are fewer rows than threads and a row is longer than the reduction grain (32768);
   padding rows to ROW_TILE rules that out.
 - elementwise transcendental ops (silu, sigmoid): the vectorised body and the scalar tail differ
@@ -99,8 +100,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return _Rotary.apply(x, cos, sin) if grad and x.requires_grad else cpu_kernel.rotary(x, cos, sin)
 
 
+class _LogSoftmax(torch.autograd.Function):
+    """The C kernel's forward; the backward is log_softmax's gradient, g - softmax * sum(g)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = cpu_kernel.log_softmax(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad - out.exp() * grad.sum(-1, keepdim=True)
+
+
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    x2, rows = _pad_rows(x.float())
+    x = x.float()
+    if cpu_kernel.library() is not None and x.is_cpu:
+        # rzero's own, one C pass per row: the same bits on every machine (rzero/ops/cpu_kernel.py)
+        return _LogSoftmax.apply(x) if torch.is_grad_enabled() and x.requires_grad else cpu_kernel.log_softmax(x)
+    x2, rows = _pad_rows(x)
     return torch.log_softmax(x2, dim=-1)[:rows].reshape(x.shape)
 
 

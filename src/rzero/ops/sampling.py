@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 
 from rzero.ops import cpu_kernel
-from rzero.ops.scratch import scratch
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,6 @@ def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
 # element exactly those bits, for one op call instead of one per row.
 _ROW_MULTIPLE = 64
 _PARALLEL_GRAIN = 32768
-_GROUP_ELEMENTS = 1 << 18
 
 
 def _row_chunks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -145,27 +143,20 @@ def sample_tokens(
 def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """For each row, the first token whose cumulative probability passes uniform * total mass.
 
-    Every operation is per row: the exp (in whole-row chunks on the CPU), the scan
-    (_row_cumsum) and a binary search that compares without arithmetic. The token found is one
-    where the scan rose, so one with mass, never one the transform truncated: u <= 1 - 2^-24 (a
-    float draw), and u * total then rounds to below the total.
+    Every operation is per row: the exp, the scan (_row_cumsum) and a binary search that compares
+    without arithmetic. The token found is one where the scan rose, so one with mass, never one the
+    transform truncated: u <= 1 - 2^-24 (a float draw), and u * total then rounds to below the total.
+    On the CPU one C pass with rzero's own exp (csrc/kernels.c, rz_inverse_cdf).
     """
     if logprobs.device.type != "cpu":
         return _search(_row_cumsum(logprobs.exp()), uniform)
-    # In groups of rows of about 1 MB, and of at least four rows a thread (the C scan's groups): a
-    # buffer of a few MB comes back from the heap, while one for a whole batch (39 MB at 64 x 152k)
-    # is fresh pages every step, and faulting them in cost more than the exp and the scan together.
-    group = max(4 * torch.get_num_threads(), _GROUP_ELEMENTS // logprobs.shape[-1])
-    tokens = []
-    for rows, row_uniform in zip(logprobs.split(group), uniform.split(group)):
-        probs = scratch("sampler", rows.numel()).view(rows.shape)  # kept: rzero/ops/scratch.py
-        for chunk, out in zip(_row_chunks(rows), _row_chunks(probs)):
-            torch.exp(chunk, out=out)
-        if cpu_kernel.library() is not None:  # the scan and the search of the line below, in one C pass
-            tokens.append(cpu_kernel.inverse_cdf(probs, row_uniform))
-        else:
-            tokens.append(_search(probs.cumsum_(-1), row_uniform))  # the CPU scan: sequential per row
-    return tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+    if cpu_kernel.library() is not None:
+        return cpu_kernel.inverse_cdf(logprobs, uniform)
+    # No compiler: torch's exp in chunks of whole rows, then its sequential scan.
+    probs = torch.empty_like(logprobs)
+    for chunk, out in zip(_row_chunks(logprobs), _row_chunks(probs)):
+        torch.exp(chunk, out=out)
+    return _search(probs.cumsum_(-1), uniform)
 
 
 def _search(cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -983,35 +983,169 @@ int rz_cached_attention(const void *q, const void *k, const void *v, int64_t q_s
 }
 
 /* ---------------------------------------------------------------------------------------------
-   The sampler's inverse CDF (rzero/ops/sampling.py), after its exp: for each row of probs (rows x V,
-   fp32, contiguous) the index torch.searchsorted(cumsum(row), uniform * total, right=True) gives,
-   cumsum as torch's CPU scan computes it (a double accumulator, each prefix rounded to fp32),
-   total its last prefix, the product rounded to fp32, and the search torch's binary search (the
-   same midpoints, so the same index even for a row that is not sorted, e.g. one with a NaN). Rows
-   go four at a time so that four independent chains of additions overlap (each row's scan keeps
-   its order), the groups of four split over `threads`. scratch: threads * 4 * V floats. */
+   log_softmax and the sampler's draw, rzero's own numerics on the CPU (rzero/ops/invariant_rows.py,
+   rzero/ops/sampling.py): every step written out below, with no libm call and fmaf exact by
+   definition, so a row's bits depend on nothing but the row: not the batch, not the threads, not the
+   machine (torch's CPU log_softmax and exp differ with the vector code the CPU gets).
+
+   log_softmax: out_j = (x_j - m) - log(s), m the row's largest element (NaN if it has one), s the sum
+   of exp(x_j - m) over j in 16 lanes (lane l the j = l mod 16 terms in order of j, from zero) added
+   in lane_tree's order; exp is exp_nonpositive, log is log_of_sum below.
+
+   The draw: for each row of logprobs (rows x V), the first token whose running sum of exp(lp_j), in
+   order of j (a double accumulator, each prefix rounded to fp32), passes uniform * the row's total
+   (its last prefix; the product rounded to fp32): a binary search over the prefixes (for a row that
+   is not sorted, e.g. one with a NaN, the index its midpoints lead to). Rows go four at a time so
+   that four independent chains of additions overlap (each row's keeps its order). */
+
+/* log(s) for a sum of exponentials (s >= 1: the largest term is exp(0)); NaN and infinity pass. s =
+   2^e * m, m in [sqrt(1/2), sqrt(2)); log(m) = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172, by
+   its series to t^11 (the next term is below 1e-11 of t); plus e * ln2 in two parts. */
+static inline float log_of_sum(float s) {
+    if (!(s < INFINITY)) return s;
+    uint32_t bits;
+    memcpy(&bits, &s, sizeof bits);
+    int32_t e = (int32_t)(bits >> 23) - 127;
+    bits = (bits & 0x007fffffu) | 0x3f800000u;
+    float m;
+    memcpy(&m, &bits, sizeof m);
+    if (m > 1.41421356237f) {
+        m *= 0.5f;
+        e += 1;
+    }
+    const float t = (m - 1.0f) / (m + 1.0f), t2 = t * t;
+    float p = 1.0f / 11.0f;
+    p = fmaf(p, t2, 1.0f / 9.0f);
+    p = fmaf(p, t2, 1.0f / 7.0f);
+    p = fmaf(p, t2, 1.0f / 5.0f);
+    p = fmaf(p, t2, 1.0f / 3.0f);
+    const float log_m = 2.0f * fmaf(t * t2, p, t);
+    return fmaf((float)e, 0.693145751953125f, fmaf((float)e, 1.42860682030941723212e-6f, log_m));
+}
+
+/* exp of a logprob or shifted logit (<= 0), NaN kept */
+static inline float exp_of_logprob(float x) { return x != x ? x : exp_nonpositive(x); }
+
+#if defined(__AVX512F__)
+/* exp_of_logprob of sixteen lanes: the same operations, so the same bits. */
+static inline __m512 exp_of_logprob16(__m512 x) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* NaN lanes: replaced below */
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), clamped);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+    __m512 e = _mm512_mul_ps(p, scale);
+    e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), e, _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), e, x);
+}
+
+static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+#endif
+
+static void log_softmax_row(const float *restrict x, int64_t V, float *restrict out) {
+    float m = x[0], lanes[LANES] = {0};
+#if defined(__AVX512F__)
+    __m512 top = _mm512_set1_ps(x[0]);
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < V; j += 16) {
+        const __mmask16 k = tail_mask(V - j);
+        const __m512 v = _mm512_mask_loadu_ps(top, k, x + j);
+        top = _mm512_max_ps(top, v);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    m = nan ? NAN : _mm512_reduce_max_ps(top);
+#else
+    for (int64_t j = 1; j < V; j++) m = (x[j] > m || x[j] != x[j]) ? x[j] : m;
+#endif
+    if (m != m) {
+        for (int64_t j = 0; j < V; j++) out[j] = m;
+        return;
+    }
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < V; j += 16) {
+        const __mmask16 k = tail_mask(V - j);
+        const __m512 e = exp_of_logprob16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), shift));
+        acc = _mm512_mask_add_ps(acc, k, acc, e);
+    }
+    _mm512_storeu_ps(lanes, acc);
+#else
+    int64_t j0 = 0;
+    for (; j0 + LANES <= V; j0 += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] += exp_of_logprob(x[j0 + l] - m);
+    for (int64_t j = j0; j < V; j++) lanes[j - j0] += exp_of_logprob(x[j] - m);
+#endif
+    const float lse = log_of_sum(lane_tree(lanes));
+    for (int64_t j = 0; j < V; j++) out[j] = (x[j] - m) - lse;
+}
+
+/* probs[j] = exp_of_logprob(lp[j]) for j < V */
+static void exp_row(const float *restrict lp, int64_t V, float *restrict probs) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= V; j += 16) _mm512_storeu_ps(probs + j, exp_of_logprob16(_mm512_loadu_ps(lp + j)));
+#endif
+    for (; j < V; j++) probs[j] = exp_of_logprob(lp[j]);
+}
+
 typedef struct {
-    const float *probs, *uniform;
+    const float *x;
+    float *out;
+    int64_t V, ldx, first, last; /* rows [first, last) */
+} LogSoftmaxJob;
+
+static void *run_log_softmax(void *arg) {
+    const LogSoftmaxJob *job = (const LogSoftmaxJob *)arg;
+    for (int64_t r = job->first; r < job->last; r++) log_softmax_row(job->x + r * job->ldx, job->V, job->out + r * job->V);
+    return NULL;
+}
+
+/* out (rows, V) contiguous = log_softmax of each row of x (row r at x + r * ldx). */
+int rz_log_softmax(const float *x, int64_t rows, int64_t V, int64_t ldx, float *out, int threads) {
+    if (threads < 1) threads = 1;
+    if (rows * V < (1 << 16)) threads = 1; /* below this the threads' start costs more than they save */
+    if (threads > rows) threads = rows > 0 ? (int)rows : 1;
+    if (threads > 64) threads = 64;
+    LogSoftmaxJob jobs[64];
+    for (int i = 0; i < threads; i++) jobs[i] = (LogSoftmaxJob){x, out, V, ldx, rows * i / threads, rows * (i + 1) / threads};
+    return run_parallel(run_log_softmax, jobs, sizeof(LogSoftmaxJob), threads);
+}
+
+typedef struct {
+    const float *logprobs, *uniform;
     float *scratch;
     int64_t *out;
     int64_t V, first, last; /* rows [first, last) */
 } ScanJob;
 
-static void scan_rows(const float *probs, int64_t V, const float *uniform, float *scratch, int64_t *out, int64_t count) {
+static void scan_rows(const float *logprobs, int64_t V, const float *uniform, float *scratch, int64_t *out,
+                      int64_t count) {
     const float *p[4];
-    for (int64_t i = 0; i < 4; i++) p[i] = probs + (i < count ? i : count - 1) * V;
+    for (int64_t i = 0; i < 4; i++) p[i] = logprobs + (i < count ? i : count - 1) * V;
     double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    for (int64_t i = 0; i < (count == 1 ? 1 : 4); i++) exp_row(p[i], V, scratch + i * V); /* then scans in place */
     if (count == 1) { /* one row: one chain, the others would only repeat it */
         for (int64_t j = 0; j < V; j++) {
-            a0 += (double)p[0][j];
+            a0 += (double)scratch[j];
             scratch[j] = (float)a0;
         }
     } else {
         for (int64_t j = 0; j < V; j++) {
-            a0 += (double)p[0][j];
-            a1 += (double)p[1][j];
-            a2 += (double)p[2][j];
-            a3 += (double)p[3][j];
+            a0 += (double)scratch[j];
+            a1 += (double)scratch[V + j];
+            a2 += (double)scratch[2 * V + j];
+            a3 += (double)scratch[3 * V + j];
             scratch[j] = (float)a0;
             scratch[V + j] = (float)a1;
             scratch[2 * V + j] = (float)a2;
@@ -1037,12 +1171,13 @@ static void *run_scan(void *arg) {
     ScanJob *job = (ScanJob *)arg;
     for (int64_t r = job->first; r < job->last; r += 4) {
         const int64_t count = job->last - r < 4 ? job->last - r : 4;
-        scan_rows(job->probs + r * job->V, job->V, job->uniform + r, job->scratch, job->out + r, count);
+        scan_rows(job->logprobs + r * job->V, job->V, job->uniform + r, job->scratch, job->out + r, count);
     }
     return NULL;
 }
 
-int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uniform, float *scratch, int64_t *out,
+/* scratch: threads * 4 * V floats. */
+int rz_inverse_cdf(const float *logprobs, int64_t rows, int64_t V, const float *uniform, float *scratch, int64_t *out,
                    int threads) {
     const int64_t groups = (rows + 3) / 4;
     if (threads < 1) threads = 1;
@@ -1051,7 +1186,7 @@ int rz_inverse_cdf(const float *probs, int64_t rows, int64_t V, const float *uni
     ScanJob jobs[64];
     for (int i = 0; i < threads; i++) {
         const int64_t first = groups * i / threads * 4, last = groups * (i + 1) / threads * 4;
-        jobs[i] = (ScanJob){probs, uniform, scratch + (int64_t)i * 4 * V, out, V, first, last < rows ? last : rows};
+        jobs[i] = (ScanJob){logprobs, uniform, scratch + (int64_t)i * 4 * V, out, V, first, last < rows ? last : rows};
     }
     return run_parallel(run_scan, jobs, sizeof(ScanJob), threads);
 }
