@@ -7,9 +7,9 @@ K and V out of the paged cache into fp32 matmul layout, once per layer and step,
 in 16-key GEMMs; at decode that is most of a step. The kernel reads the cache blocks in place and
 computes each (token, KV head) on its own, in one fixed order, so its bits cannot depend on the
 batch (see the C file's header). The trainer's forward runs the same kernel; its backward is
-plain softmax-attention math, in C as well. RMSNorm is one pass per row instead of seven tensor
-ops, which on short rows are mostly dispatch. On CPUs with AVX-512 BF16, a bf16 GEMM for small
-weights (`bf16_gemm`; where the invariant linear uses it: rzero/ops/gemm_route.py, bf16_kernel).
+plain softmax-attention math, in C as well. RMSNorm, log_softmax and the sampler's draw are one
+pass per row instead of several tensor ops (on short rows mostly dispatch). On CPUs with AVX-512
+BF16, a bf16 GEMM for small weights (`bf16_gemm`; where: rzero/ops/gemm_route.py, bf16_kernel).
 
 The shared library is built once per source, flags and CPU (`-march=native`: the kernel's bits
 do not depend on it, fmaf is exact by definition, only its speed does) into the cache directory
