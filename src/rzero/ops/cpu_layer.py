@@ -238,7 +238,8 @@ class _Plan:
         for name, value in (("hidden", w.o.shape[0]), ("qkv_n", w.qkv.shape[0]), ("width", w.down.shape[1]),
                             ("bf16", int(self.bf16))):
             self.dims[_DIMS.index(name)] = value
-        self.versions: tuple[int, ...] = ()
+        self.linears = tuple(getattr(w, name) for name in _LINEARS)
+        self.versions: list[int] = []
         self.panels: tuple[torch.Tensor, ...] = ()
         self.threads = 0  # the thread count the K blocks were set for
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the one the arrays point to
@@ -246,8 +247,7 @@ class _Plan:
     def _kblocks_set(self, threads: int) -> bool:
         """fp32: the proven K block of each linear for this many threads, or False where one has none."""
         if not self.bf16 and threads != self.threads:
-            blocks = [f32_kblock(weight.shape[1], weight.shape[0], threads)
-                      for weight in (getattr(self.weights, name) for name in _LINEARS)]
+            blocks = [f32_kblock(weight.shape[1], weight.shape[0], threads) for weight in self.linears]
             if None in blocks:
                 return False
             for name, block in zip(_LINEARS, blocks):
@@ -260,11 +260,10 @@ class _Plan:
         the GEMM layouts anew where a weight changed in place since the last call."""
         if not self._kblocks_set(threads):
             return False
-        linears = tuple(getattr(self.weights, name) for name in _LINEARS)
-        versions = tuple(weight._version for weight in linears)
+        versions = [weight._version for weight in self.linears]
         if versions != self.versions:
             pack = weight_copies.kernel_panels if self.bf16 else weight_copies.f32_kernel_panels
-            self.panels = tuple(pack(weight, True) for weight in linears)
+            self.panels = tuple(pack(weight, True) for weight in self.linears)
             for name, panel in zip(_LINEARS, self.panels):
                 self.ptrs[_PTRS.index(name)] = panel.data_ptr()
             self.versions = versions

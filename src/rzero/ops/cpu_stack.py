@@ -27,6 +27,7 @@ from rzero.ops.scratch import scratch
 _DIMS = ("tokens", "rows", "table_stride", "layers", "hidden", "head_dim", "vocab", "bf16", "rope_fp32", "embed_row_stride",
          "embed_col_stride")
 _PTRS = ("ids", "positions", "embed", "rope_cos", "rope_sin", "slots", "tables", "seq", "pos", "norm", "out", "work")
+_STEP_PTRS = [_PTRS.index(n) for n in ("ids", "positions", "slots", "tables", "seq", "pos", "out", "work")]
 
 
 def _bound(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -37,40 +38,39 @@ def _bound(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 class _Stack:
-    """The call's argument arrays for one list of layer plans: the layers' own arrays (which the
-    C call fills with the step's entries) and the step's."""
+    """The call's argument arrays for one model's layers: the layers' own arrays (which the C call
+    fills with the step's entries) and the step's. Made, checked and filled once for a model's
+    layers, caches and tables (an engine's: the same every step); a step then only checks the
+    plans (weights changed in place, another thread count) and fills in its own tensors."""
 
-    def __init__(self, plans: list[_Plan]):
+    def __init__(self, key: tuple, plans: list[_Plan], embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 norm: tuple[torch.Tensor, float], caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.key, self.plans, self.norm_eps = key, plans, norm[1]
         self.lib = _bound(plans[0].lib)
-        self.plans = plans
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last ones checked
-        self.work_rows = self.work = 0  # the scratch elements of the last row count
+        for plan, cache in zip(plans, caches):
+            plan.set_cache(cache)
         self.layer_dims = (ctypes.c_void_p * len(plans))(*(plan.dims_at for plan in plans))
         self.layer_ptrs = (ctypes.c_void_p * len(plans))(*(plan.ptrs_at for plan in plans))
         self.eps = (ctypes.c_float * len(plans))(*(plan.weights.eps for plan in plans))
         self.dims = (ctypes.c_int64 * len(_DIMS))()
         self.ptrs = (ctypes.c_int64 * len(_PTRS))()
+        self.dims_at, self.ptrs_at = ctypes.addressof(self.dims), ctypes.addressof(self.ptrs)
+        self.bf16 = embed.dtype == torch.bfloat16
+        self.vocab, self.hidden = embed.shape
+        self.head_dim = rope[0].shape[1]
+        for name, value in (("layers", len(plans)), ("hidden", self.hidden), ("head_dim", self.head_dim),
+                            ("vocab", self.vocab), ("bf16", int(self.bf16)), ("rope_fp32", int(rope[0].dtype == torch.float32)),
+                            ("embed_row_stride", embed.stride(0)), ("embed_col_stride", embed.stride(1))):
+            self.dims[_DIMS.index(name)] = value
+        for name, t in (("embed", embed), ("rope_cos", rope[0]), ("rope_sin", rope[1]), ("norm", norm[0])):
+            self.ptrs[_PTRS.index(name)] = t.data_ptr()
+        self.work_rows = self.work = 0  # the scratch (fp32 elements) of the last row count
 
-    def holds(self, plans: list[_Plan]) -> bool:
-        return len(plans) == len(self.plans) and all(a is b for a, b in zip(plans, self.plans))
-
-    def set_caches(self, dtype: torch.dtype, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Point the layers at these caches (an engine's, the same every step: checked once)."""
-        if len(caches) != len(self.caches) or any(a is not b for a, b in zip(caches, self.caches)):
-            kv = [t for cache in caches for t in cache]
-            if not all(t.dtype == dtype and t.is_cpu and t.is_contiguous() for t in kv) or kv[0].shape[-1] % 2:
-                return False
-            self.caches, self.work_rows = list(caches), 0
-        for plan, cache in zip(self.plans, caches):
-            plan.set_cache(cache)
-        return True
-
-    def work_elements(self, rows: int, hidden: int, head_dim: int) -> int:
-        """rz_decoder_stack's scratch for this many rows, in elements of the dtype."""
+    def scratch(self, rows: int) -> torch.Tensor:
         if rows != self.work_rows:
-            layer = max(plan.work_elements(rows) for plan in self.plans)
-            self.work_rows, self.work = rows, 2 * rows * (hidden + head_dim) + layer
-        return self.work
+            elements = 2 * rows * (self.hidden + self.head_dim) + max(plan.work_elements(rows) for plan in self.plans)
+            self.work_rows, self.work = rows, -(-elements * (2 if self.bf16 else 4) // 4)
+        return scratch("decoder_stack", self.work)
 
 
 def _plans(layers: list[DenseLayerWeights], threads: int) -> list[_Plan] | None:
@@ -84,15 +84,16 @@ def _plans(layers: list[DenseLayerWeights], threads: int) -> list[_Plan] | None:
     return plans
 
 
-def _inputs_apply(dtype: torch.dtype, ids: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor,
-                  rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """CPU tensors in the layers' dtype, contiguous (the rotary tables in it or fp32; the embedding
-    may be a transposed view), int64 ids."""
+def _inputs_apply(dtype: torch.dtype, embed: torch.Tensor, norm: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """CPU tensors in the layers' dtype (the rotary tables in it or fp32), contiguous but for the
+    embedding (a transposed view is read as one), an even head size as long as the tables' rows."""
+    kv = [t for cache in caches for t in cache]
     return (
-        ids.dtype == torch.int64 and ids.is_contiguous()
-        and all(t.dtype == dtype and t.is_cpu for t in (embed, norm)) and norm.is_contiguous() and embed.dim() == 2
-        and all(t.dtype in (dtype, torch.float32) and t.is_cpu and t.is_contiguous() for t in rope)
-        and rope[0].dtype == rope[1].dtype
+        all(t.dtype == dtype and t.is_cpu for t in (embed, norm, *kv)) and embed.dim() == 2
+        and all(t.is_contiguous() for t in (norm, *kv, *rope))
+        and all(t.dtype in (dtype, torch.float32) and t.is_cpu for t in rope) and rope[0].dtype == rope[1].dtype
+        and kv[0].shape[-1] % 2 == 0 and rope[0].shape[-1] == kv[0].shape[-1]
     )
 
 
@@ -104,35 +105,35 @@ def decoder_stack(
     """The normed final hidden states (padded tokens, hidden) of the padded token ids `ids`: the
     embeddings, each of `layers` with its cache (K/V written in place), the final norm; None where
     the C layer does not apply to every layer, and the caller runs the layers one by one.
-    `rope`: the model's fp32 (cos, sin) tables, read at meta.positions."""
-    if torch.is_grad_enabled() or len(layers) != len(caches) or not layers:
+    `rope`: the model's (cos, sin) tables, read at meta.positions."""
+    if torch.is_grad_enabled() or len(layers) != len(caches) or not layers or ids.dtype != torch.int64:
         return None
     threads = torch.get_num_threads()
-    plans = _plans(layers, threads)
-    dtype = layers[0].qkv.dtype
-    if plans is None or not _inputs_apply(dtype, ids, embed, norm[0], rope):
-        return None
+    key = (*layers, *caches, embed, *rope, norm[0])
     stack = layers[0].stack
-    if stack is None or not stack.holds(plans):
-        stack = layers[0].stack = _Stack(plans)
-    if not stack.set_caches(dtype, caches) or rope[0].shape[-1] != caches[0][0].shape[-1]:
-        return None
+    if (stack is not None and len(key) == len(stack.key) and all(a is b for a, b in zip(key, stack.key))
+            and norm[1] == stack.norm_eps):
+        if not all(plan.ready(threads) for plan in stack.plans):
+            return None
+        for plan, cache in zip(stack.plans, caches):
+            plan.set_cache(cache)  # (a no-op unless the per-layer path pointed it elsewhere)
+    else:
+        plans = _plans(layers, threads)
+        if plans is None or not _inputs_apply(layers[0].qkv.dtype, embed, norm[0], rope, caches):
+            return None
+        stack = layers[0].stack = _Stack(key, plans, embed, rope, norm, caches)
     tables, seq, pos = cpu_kernel._token_index(meta)
-    rows, (vocab, hidden), head_dim = ids.shape[0], embed.shape, rope[0].shape[1]
-    elements = stack.work_elements(rows, hidden, head_dim)
-    work = scratch("decoder_stack", -(-elements * (2 if dtype == torch.bfloat16 else 4) // 4))
-    out = torch.empty(rows, hidden, dtype=dtype)
+    rows = ids.shape[0]
+    out = torch.empty(rows, stack.hidden, dtype=embed.dtype)
     dims, ptrs = stack.dims, stack.ptrs
-    for i, value in enumerate((meta.num_tokens, rows, tables.shape[1], len(plans), hidden, head_dim, vocab,
-                               int(dtype == torch.bfloat16), int(rope[0].dtype == torch.float32), *embed.stride())):
-        dims[i] = value
-    for i, t in enumerate((ids, meta.positions, embed, rope[0], rope[1], meta.slot_mapping, tables, seq, pos, norm[0],
-                           out, work)):
+    dims[0], dims[1], dims[2] = meta.num_tokens, rows, tables.shape[1]  # tokens, rows, table_stride
+    for i, t in zip(_STEP_PTRS, (ids.contiguous(), meta.positions, meta.slot_mapping, tables, seq, pos, out,
+                                 stack.scratch(rows))):
         ptrs[i] = t.data_ptr()
-    status = stack.lib.rz_decoder_stack(ctypes.addressof(dims), ctypes.addressof(ptrs), stack.layer_dims,
-                                        stack.layer_ptrs, stack.eps, norm[1], scale, threads)
+    status = stack.lib.rz_decoder_stack(stack.dims_at, stack.ptrs_at, stack.layer_dims, stack.layer_ptrs, stack.eps,
+                                        stack.norm_eps, scale, threads)
     if status == 5:
-        raise IndexError(f"a token id is outside the embedding's {vocab} rows")
+        raise IndexError(f"a token id is outside the embedding's {stack.vocab} rows")
     cpu_kernel._check(status)
-    CALLS[plans[0].dtype_name] += len(plans)
+    CALLS[stack.plans[0].dtype_name] += len(stack.plans)
     return out
