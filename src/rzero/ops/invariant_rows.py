@@ -117,7 +117,7 @@ class _LogSoftmax(torch.autograd.Function):
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
-    if cpu_kernel.library() is not None and x.is_cpu:
+    if cpu_kernel.library() is not None and x.is_cpu and x.numel():
         # rzero's own, one C pass per row: the same bits on every machine (rzero/ops/cpu_kernel.py)
         return _LogSoftmax.apply(x) if torch.is_grad_enabled() and x.requires_grad else cpu_kernel.log_softmax(x)
     x2, rows = _pad_rows(x)
