@@ -130,6 +130,13 @@ def test_the_stack_stays_out_of_what_it_does_not_cover_and_takes_no_bad_token_id
             stack(ids=torch.tensor([5, 1024, 7] + [0] * (meta.padded_tokens - 3)))
         for (k, v), (k0, v0) in zip(caches, cache_before):  # refused before any layer wrote its K/V
             assert torch.equal(k, k0) and torch.equal(v, v0)
+        # the embedding's storage swapped under the same parameter: read from its new address
+        out = stack()
+        embed = model.model.embed_tokens.weight
+        embed.data = embed.data.clone() * 2
+        assert not torch.equal(stack(), out)
+        embed.data = embed.data / 2
+        assert torch.equal(stack(), out)
         monkeypatch.setattr(cpu_layer, "f32_kblock", lambda K, N, threads: None)  # a GEMM not proven
         assert stack(layers=[layer.dense_weights() for layer in _model(seed=1, dtype=torch.float32).model.layers]) is None
     assert stack() is None  # a gradient may be wanted

@@ -271,15 +271,16 @@ class _Plan:
 
     def set_cache(self, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The layer's K/V cache (its engine's) and the sizes read off it."""
-        if cache is self.cache:
-            return
-        self.cache = cache
         k_cache, v_cache = cache
+        k_at, v_at = _PTRS.index("k_cache"), _PTRS.index("v_cache")
+        if cache is self.cache and self.ptrs[k_at] == k_cache.data_ptr() and self.ptrs[v_at] == v_cache.data_ptr():
+            return  # (an engine's every step)
+        self.cache = cache
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for name, value in (("heads", self.weights.qkv.shape[0] // head_dim - 2 * kv_heads), ("kv_heads", kv_heads),
                             ("head_dim", head_dim), ("block", k_cache.shape[1])):
             self.dims[_DIMS.index(name)] = value
-        self.ptrs[_PTRS.index("k_cache")], self.ptrs[_PTRS.index("v_cache")] = k_cache.data_ptr(), v_cache.data_ptr()
+        self.ptrs[k_at], self.ptrs[v_at] = k_cache.data_ptr(), v_cache.data_ptr()
 
     def work_elements(self, rows: int) -> int:
         """rz_decoder_layer's scratch for this many rows, in elements of the dtype."""

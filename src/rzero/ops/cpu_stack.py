@@ -46,6 +46,7 @@ class _Stack:
     def __init__(self, key: tuple, plans: list[_Plan], embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  norm: tuple[torch.Tensor, float], caches: list[tuple[torch.Tensor, torch.Tensor]]):
         self.key, self.plans, self.norm_eps = key, plans, norm[1]
+        self.addresses = _addresses(embed, rope, norm)
         self.lib = _bound(plans[0].lib)
         for plan, cache in zip(plans, caches):
             plan.set_cache(cache)
@@ -71,6 +72,12 @@ class _Stack:
             elements = 2 * rows * (self.hidden + self.head_dim) + max(plan.work_elements(rows) for plan in self.plans)
             self.work_rows, self.work = rows, -(-elements * (2 if self.bf16 else 4) // 4)
         return scratch("decoder_stack", self.work)
+
+
+def _addresses(embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], norm: tuple[torch.Tensor, float]) -> tuple:
+    """Where the step-invariant tensors are: a tensor's storage can change under the same object
+    (`.data = ...`), and the call's arrays hold addresses."""
+    return embed.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), norm[0].data_ptr()
 
 
 def _plans(layers: list[DenseLayerWeights], threads: int) -> list[_Plan] | None:
@@ -112,7 +119,7 @@ def decoder_stack(
     key = (*layers, *caches, embed, *rope, norm[0])
     stack = layers[0].stack
     if (stack is not None and len(key) == len(stack.key) and all(a is b for a, b in zip(key, stack.key))
-            and norm[1] == stack.norm_eps):
+            and _addresses(embed, rope, norm) == stack.addresses and norm[1] == stack.norm_eps):
         if not all(plan.ready(threads) for plan in stack.plans):
             return None
         for plan, cache in zip(stack.plans, caches):
