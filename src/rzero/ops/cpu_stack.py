@@ -27,6 +27,8 @@ from rzero.ops.scratch import scratch
 _DIMS = ("tokens", "rows", "table_stride", "layers", "hidden", "head_dim", "vocab", "bf16", "rope_fp32", "embed_row_stride",
          "embed_col_stride")
 _PTRS = ("ids", "positions", "embed", "rope_cos", "rope_sin", "slots", "tables", "seq", "pos", "norm", "out", "work")
+# those that change from step to step, filled in by decoder_stack in this order
+_STEP_DIMS = [_DIMS.index(n) for n in ("tokens", "rows", "table_stride")]
 _STEP_PTRS = [_PTRS.index(n) for n in ("ids", "positions", "slots", "tables", "seq", "pos", "out", "work")]
 
 
@@ -133,7 +135,8 @@ def decoder_stack(
     rows = ids.shape[0]
     out = torch.empty(rows, stack.hidden, dtype=embed.dtype)
     dims, ptrs = stack.dims, stack.ptrs
-    dims[0], dims[1], dims[2] = meta.num_tokens, rows, tables.shape[1]  # tokens, rows, table_stride
+    for i, value in zip(_STEP_DIMS, (meta.num_tokens, rows, tables.shape[1])):
+        dims[i] = value
     for i, t in zip(_STEP_PTRS, (ids.contiguous(), meta.positions, meta.slot_mapping, tables, seq, pos, out,
                                  stack.scratch(rows))):
         ptrs[i] = t.data_ptr()
