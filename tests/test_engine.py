@@ -343,7 +343,7 @@ def test_requests_join_and_leave_at_any_step_and_abort_frees_blocks(model_dir):
     rng = random.Random(2)
     params = SamplingParams(max_tokens=12, seed=7)
     a_prompt, b_prompt, c_prompt, d_prompt = (random_prompt(rng, n) for n in (20, 35, 9, 18))
-    engine = make_engine(model_dir, max_num_batched_tokens=24)
+    engine = make_engine(model_dir, max_num_batched_tokens=24, decode_steps_per_call=1)  # a token per step
     assert engine.add_request(a_prompt, params, request_id="a") == ["a"]
     seen = {}
     for _ in range(3):
@@ -522,7 +522,7 @@ def test_stop_strings_stop_and_truncate_text(model_dir):
 def test_n_samples_share_prompt_blocks(model_dir):
     prompt = random_prompt(random.Random(7), 2 * ATTN_BLOCK + 8)  # two full blocks and a partial one
     params = SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=21, prompt_logprobs=True)
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, decode_steps_per_call=1)  # one forward per step, counted below
     computed = []
     engine.model.register_forward_pre_hook(lambda module, args: computed.append(args[0].numel()))
     ids = engine.add_request(prompt, params, request_id="g")

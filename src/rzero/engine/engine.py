@@ -57,6 +57,7 @@ class Engine:
         recompute_on_update: bool = True,
         seed: int = 0,
         version: int = 0,
+        decode_steps_per_call: int = 8,
     ):
         self.numerics = numerics_of(numerics)
         requested = None if device is None else resolve_device(device)  # fails before any loading
@@ -90,6 +91,12 @@ class Engine:
         # Read when a request is added (each sequence keeps its own stop ids).
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._tokenizer_eos())
         self.recompute_on_update = recompute_on_update
+        if decode_steps_per_call < 1:
+            raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
+        # Several decode steps in one model call: where the model has it (invariant numerics on the
+        # CPU, dense layers); turned off for good the first time the model says it has not.
+        self.decode_steps_per_call = decode_steps_per_call
+        self._several_steps = decode_steps_per_call > 1 and self.device.type == "cpu"
         self.seed = seed
         self.version = version
         self.sequences: dict[str, Sequence] = {}
@@ -228,6 +235,9 @@ class Engine:
             batch = self.scheduler.schedule()
             if not batch:
                 return []
+            outputs = self._decode_steps(batch) if self._several_steps else None
+            if outputs is not None:
+                return outputs
             ids, logit_rows, samplers, prompt_rows, prompt_positions = [], [], [], [], []
             for seq, n in batch:
                 start, done = len(ids), seq.num_computed
@@ -264,6 +274,50 @@ class Engine:
             # A plain decode step samples from every row, in order: no gather.
             logits = self.model.logits(hidden if every_row and len(logit_rows) == len(ids) else hidden[logit_rows])
             return [self._append(*sampled) for sampled in sampler.sample(self.numerics, samplers, logits)]
+
+    def _decode_steps(self, batch: list[tuple[Sequence, int]]) -> list[StepOutput] | None:
+        """Up to decode_steps_per_call decode steps of the batch in one model call (Model.decode_steps),
+        where they give what the steps one by one give: every sequence decodes (one token, its last),
+        samples plainly (a temperature; no greedy, top-k, top-p, stop strings or top logprobs), and no
+        request waits to be admitted, so no step would have had another batch but for sequences that
+        end. A sequence that ends (a stop token) runs on to the call's end and what it computes after
+        its end is dropped: no row's bits depend on another's (invariant numerics). None: the caller
+        runs one step."""
+        if self.scheduler.waiting:
+            return None
+        steps = self.decode_steps_per_call
+        for seq, n in batch:
+            transform = seq.transform
+            if (n != 1 or seq.num_computed + 1 != len(seq) or transform.temperature <= 0 or transform.top_k
+                    or transform.top_p < 1 or seq.params.stop or seq.top_logprobs is not None):
+                return None
+            steps = min(steps, seq.length_limit - len(seq))
+        if steps < 2 or not all(self.scheduler.reserve(seq, seq.num_computed + steps) for seq, _ in batch):
+            return None
+        seqs = [seq for seq, _ in batch]
+        width = max(len(seq.block_table) for seq in seqs)
+        uniforms = [[seq.uniforms.next() for _ in range(steps)] for seq in seqs]  # each sequence's own draws
+        result = self.model.decode_steps(
+            torch.tensor([seq.token_ids[-1] for seq in seqs]),
+            torch.tensor([seq.num_computed for seq in seqs]),
+            torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]),
+            torch.tensor([seq.transform.temperature for seq in seqs], dtype=torch.float32),
+            torch.tensor(uniforms, dtype=torch.float32).t().contiguous(),
+            self.kv_caches,
+        )
+        if result is None:
+            for seq, drawn in zip(seqs, uniforms):
+                seq.uniforms.give_back(drawn)  # the steps one by one draw them
+            self._several_steps = False
+            return None
+        by_step: list[list[StepOutput]] = [[] for _ in range(steps)]
+        for seq, row, row_logprobs in zip(seqs, result[0].t().tolist(), result[1].t().tolist()):
+            for k in range(steps):  # as the steps one by one: the input's K/V in the cache, then the token
+                self.scheduler.computed(seq, 1)
+                by_step[k].append(self._append(seq, row[k], row_logprobs[k], None))
+                if by_step[k][-1].finished:
+                    break
+        return [out for outputs in by_step for out in outputs]
 
     def _fork(self, leader: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:
         """The leader's samples that start now from its computed prompt (Scheduler.fork). The K/V

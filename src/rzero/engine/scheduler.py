@@ -146,6 +146,11 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give a running sequence the blocks for num_tokens tokens; False (nothing taken) where the
+        cache has too few free blocks."""
+        return self._reserve(seq, num_tokens)
+
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         needed = self.blocks.blocks_for(num_tokens) - len(seq.block_table)
         if needed > self.blocks.num_free:

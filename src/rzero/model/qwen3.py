@@ -12,8 +12,6 @@ The forward pass works on a flat list of tokens from any number of sequences, de
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, fields
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,70 +20,10 @@ from torch.utils.checkpoint import checkpoint
 from rzero.ops import (
     ATTN_BLOCK, AttentionMeta, AttentionParams, DenseLayerWeights, MLPParams, Numerics, joined, packed, private_cache,
 )
+from rzero.model.qwen3_config import Qwen3Config  # noqa: F401  (the model's config, named here too)
 from rzero.ops import numerics as numerics_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (num_blocks, ATTN_BLOCK, Hkv, D) each
-
-
-@dataclass
-class Qwen3Config:
-    """The fields of a Hugging Face Qwen3 / Qwen3-MoE config.json that the forward pass uses."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int = 40960
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    tie_word_embeddings: bool = False
-    # Qwen3-MoE only (num_experts == 0 means dense)
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> Qwen3Config:
-        """Read a parsed config.json; reject what this implementation does not compute."""
-        raw = dict(raw)
-        if "head_dim" not in raw and "hidden_size" in raw and "num_attention_heads" in raw:
-            raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
-        raw.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
-        raw.setdefault("num_experts", raw.get("num_local_experts", 0))  # transformers 5 saves this name
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"config.json: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
-        if "rope_theta" not in raw and "rope_theta" in rope:
-            raw["rope_theta"] = rope["rope_theta"]
-        if raw.get("attention_bias"):
-            raise ValueError("config.json: attention_bias=true is not supported (Qwen3 checkpoints have no biases)")
-        if raw.get("use_sliding_window"):
-            raise ValueError("config.json: use_sliding_window=true is not supported")
-        names = {f.name for f in fields(cls)}
-        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads", "num_key_value_heads", "head_dim") if raw.get(n) is None]
-        if missing:
-            raise ValueError(f"config.json is missing required fields: {', '.join(missing)}")
-        config = cls(**{k: v for k, v in raw.items() if k in names})
-        if config.num_attention_heads % config.num_key_value_heads:
-            raise ValueError(
-                f"config.json: num_attention_heads ({config.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({config.num_key_value_heads})"
-            )
-        return config
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
 
 
 class RMSNorm(nn.Module):
@@ -328,11 +266,10 @@ class Qwen3ForCausalLM(nn.Module):
             )
         # Pad the token rows once, up front, to the numerics' row tile (see rzero.ops).
         ids = nn.functional.pad(input_ids, (0, meta.padded_tokens - meta.num_tokens))
-        if kv_caches is not None and not torch.is_grad_enabled():  # an engine step: the backbone in one call?
-            layers = [layer.dense_weights() for layer in self.model.layers]
-            out = None if None in layers else nx.decoder_stack(
-                ids, meta, self.model.embed_tokens.weight, (self.rope_cos, self.rope_sin), layers, kv_caches,
-                (self.model.norm.weight, self.model.norm.eps), self.model.layers[0].self_attn.scale)
+        parts = self._backbone() if kv_caches is not None and not torch.is_grad_enabled() else None
+        if parts is not None:  # an engine step: the backbone in one call?
+            embed, rope, layers, norm, scale = parts
+            out = nx.decoder_stack(ids, meta, embed, rope, layers, kv_caches, norm, scale)
             if out is not None:
                 return out[: meta.num_tokens]
         cos = self.rope_cos[meta.positions].to(self.dtype).unsqueeze(1)
@@ -345,6 +282,21 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 h = layer(h, cos, sin, meta, cache, nx)
         return self.model.norm(h, nx)[: meta.num_tokens]
+
+    def _backbone(self) -> tuple | None:
+        """(embedding, rotary tables, dense layers' weights, final norm and eps, attention scale) as
+        the numerics' one-call paths take them; None where a layer is not dense."""
+        layers = [layer.dense_weights() for layer in self.model.layers]
+        return None if None in layers else (self.model.embed_tokens.weight, (self.rope_cos, self.rope_sin), layers,
+                                            (self.model.norm.weight, self.model.norm.eps), self.model.layers[0].self_attn.scale)
+
+    def decode_steps(self, ids: torch.Tensor, context: torch.Tensor, tables: torch.Tensor, temperature: torch.Tensor,
+                     uniform: torch.Tensor, kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """uniform.shape[0] engine decode steps in one call where the numerics has it (Numerics.decode_steps:
+        the tokens and logprobs the steps one by one would give); None elsewhere."""
+        parts = self._backbone()
+        return None if parts is None else self.numerics.decode_steps(
+            ids, context, tables, temperature, uniform, kv_caches, self.lm_head.weight, *parts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits in fp32 for the given rows of hidden states."""

@@ -103,19 +103,31 @@ def _f32_fits(weight: torch.Tensor) -> bool:
 
 def own_gemm(x2: torch.Tensor, weight: torch.Tensor, may_cache: bool) -> torch.Tensor | None:
     """x2 (rows, K) times a small weight (N, K) on rzero's own GEMM, with the invariant linear's
-    bits: bf16 weights on the bf16 kernel where `on_kernel` (its bits are the definition there),
-    fp32 contiguous weights below KERNEL_MAX on rz_f32_gemm where `f32_kblock` proves the 16-row
-    tiles' bits (1.2-1.6x torch.mm here, 64-416 rows). None: the invariant linear's tiles.
-    `may_cache`: no gradient is wanted, so the weight's packed copy is kept beside it."""
+    bits (`own_gemm_operand`); None: the invariant linear's tiles."""
+    if weight.dtype == torch.bfloat16 and on_kernel(weight) and x2.dtype != torch.bfloat16:
+        raise TypeError(f"invariant linear: input {x2.dtype} and weight {weight.dtype} must be of one dtype")
+    operand = None if x2.dtype != weight.dtype else own_gemm_operand(weight, may_cache)
+    if operand is None:
+        return None
+    if weight.dtype == torch.bfloat16:
+        return cpu_kernel.bf16_gemm(x2, operand[0], weight.shape[0])
+    return f32_gemm(x2, operand[0], weight.shape[0], operand[1])
+
+
+def own_gemm_operand(weight: torch.Tensor, may_cache: bool) -> tuple[torch.Tensor, int] | None:
+    """The packed weight and K block (0 for bf16) with which rzero's own GEMM multiplies a small
+    weight (N, K) with the invariant linear's bits, or None where it does not: bf16 weights on the
+    bf16 kernel where `on_kernel` (its bits are the definition there), fp32 contiguous weights
+    below KERNEL_MAX on rz_f32_gemm where `f32_kblock` proves the 16-row tiles' bits (1.2-1.6x
+    torch.mm here, 64-416 rows). `may_cache`: no gradient is wanted, so the packed copy is kept
+    beside the weight."""
     if weight.dtype == torch.bfloat16 and on_kernel(weight):
-        if x2.dtype != torch.bfloat16:
-            raise TypeError(f"invariant linear: input {x2.dtype} and weight {weight.dtype} must be of one dtype")
-        return cpu_kernel.bf16_gemm(x2, weight_copies.kernel_panels(weight, may_cache), weight.shape[0])
-    if not _f32_fits(weight) or x2.dtype != torch.float32 or cpu_kernel.library() is None:
+        return weight_copies.kernel_panels(weight, may_cache), 0
+    if not _f32_fits(weight) or cpu_kernel.library() is None:
         return None
     N, K = weight.shape
     kblock = f32_kblock(K, N, torch.get_num_threads())
-    return None if kblock is None else f32_gemm(x2, weight_copies.f32_kernel_panels(weight, may_cache), N, kblock)
+    return None if kblock is None else (weight_copies.f32_kernel_panels(weight, may_cache), kblock)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from rzero.ops import cpu_kernel
+from rzero.ops import cpu_kernel, cpu_layer
 from rzero.ops.attention_meta import AttentionMeta
 from rzero.ops.cpu_layer import CALLS, DenseLayerWeights, _Plan, _weights_apply
 from rzero.ops.scratch import scratch
@@ -106,6 +106,28 @@ def _inputs_apply(dtype: torch.dtype, embed: torch.Tensor, norm: torch.Tensor, r
     )
 
 
+def _stack_for(layers: list[DenseLayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], embed: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor], norm: tuple[torch.Tensor, float], threads: int) -> _Stack | None:
+    """The model's call arrays, set for these layers, caches and tables on this many threads (kept on
+    its first layer, checked each step); None where the C call does not apply."""
+    if torch.is_grad_enabled() or len(layers) != len(caches) or not layers:
+        return None
+    key = (*layers, *caches, embed, *rope, norm[0])
+    stack = layers[0].stack
+    if (stack is not None and len(key) == len(stack.key) and all(a is b for a, b in zip(key, stack.key))
+            and _addresses(embed, rope, norm) == stack.addresses and norm[1] == stack.norm_eps):
+        if not all(plan.ready(threads) for plan in stack.plans):
+            return None
+        for plan, cache in zip(stack.plans, caches):
+            plan.set_cache(cache)  # (a no-op unless the per-layer path pointed it elsewhere)
+        return stack
+    plans = _plans(layers, threads)
+    if plans is None or not _inputs_apply(layers[0].qkv.dtype, embed, norm[0], rope, caches):
+        return None
+    stack = layers[0].stack = _Stack(key, plans, embed, rope, norm, caches)
+    return stack
+
+
 def decoder_stack(
     ids: torch.Tensor, meta: AttentionMeta, embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     layers: list[DenseLayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -115,22 +137,10 @@ def decoder_stack(
     embeddings, each of `layers` with its cache (K/V written in place), the final norm; None where
     the C layer does not apply to every layer, and the caller runs the layers one by one.
     `rope`: the model's (cos, sin) tables, read at meta.positions."""
-    if torch.is_grad_enabled() or len(layers) != len(caches) or not layers or ids.dtype != torch.int64:
-        return None
     threads = torch.get_num_threads()
-    key = (*layers, *caches, embed, *rope, norm[0])
-    stack = layers[0].stack
-    if (stack is not None and len(key) == len(stack.key) and all(a is b for a, b in zip(key, stack.key))
-            and _addresses(embed, rope, norm) == stack.addresses and norm[1] == stack.norm_eps):
-        if not all(plan.ready(threads) for plan in stack.plans):
-            return None
-        for plan, cache in zip(stack.plans, caches):
-            plan.set_cache(cache)  # (a no-op unless the per-layer path pointed it elsewhere)
-    else:
-        plans = _plans(layers, threads)
-        if plans is None or not _inputs_apply(layers[0].qkv.dtype, embed, norm[0], rope, caches):
-            return None
-        stack = layers[0].stack = _Stack(key, plans, embed, rope, norm, caches)
+    stack = None if ids.dtype != torch.int64 else _stack_for(layers, caches, embed, rope, norm, threads)
+    if stack is None:
+        return None
     tables, seq, pos = cpu_kernel._token_index(meta)
     rows = ids.shape[0]
     out = torch.empty(rows, stack.hidden, dtype=embed.dtype)
@@ -147,3 +157,43 @@ def decoder_stack(
     cpu_kernel._check(status)
     CALLS[stack.plans[0].dtype_name] += len(stack.plans)
     return out
+
+
+def decode_steps(
+    ids: torch.Tensor, context: torch.Tensor, tables: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
+    padded: int, lm_head: torch.Tensor, embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    layers: list[DenseLayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], norm: tuple[torch.Tensor, float],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`uniform.shape[0]` decode steps of B sequences in one C call (csrc/kernels.c, rz_decode_steps):
+    sequence b's token ids[b] at position context[b] (its cache blocks in row b of `tables`, enough
+    for every step), then each step's drawn token at the next position. Each step is an engine step
+    of those B rows, `padded` rows in all: the backbone (decoder_stack), the LM head (the invariant
+    linear on rzero's own GEMM), logits / temperature[b], log_softmax and the draw at uniform[step, b].
+    Returns the tokens (steps, B) and their logprobs; None where a part has no C path here (the LM
+    head's GEMM, the backbone), and the caller runs the steps one by one."""
+    threads = torch.get_num_threads()
+    operand = cpu_layer.own_gemm_operand(lm_head, True)
+    stack = None if operand is None else _stack_for(layers, caches, embed, rope, norm, threads)
+    if stack is None or lm_head.shape[1] != stack.hidden:
+        return None
+    steps, rows = uniform.shape
+    vocab = lm_head.shape[0]
+    tokens = torch.empty(steps, rows, dtype=torch.int64)
+    logprobs = torch.empty(steps, rows, dtype=torch.float32)
+    stack.dims[_DIMS.index("table_stride")] = tables.shape[1]
+    stack.ptrs[_PTRS.index("tables")] = tables.data_ptr()
+    stack.ptrs[_PTRS.index("work")] = stack.scratch(padded).data_ptr()
+    dims = (ctypes.c_int64 * 6)(steps, rows, padded, vocab, caches[0][0].shape[1], operand[1])
+    ptrs = (ctypes.c_void_p * 7)(*(t.data_ptr() for t in (ids, context, temperature, uniform, operand[0], tokens, logprobs)))
+    call = stack.lib.rz_decode_steps
+    if call.argtypes is None:  # bound here: load() also loads older sources (benchmarks/bench_attention.py)
+        ptr = ctypes.c_void_p
+        call.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, ctypes.c_int, ptr, ptr]
+    status = call(stack.dims_at, stack.ptrs_at, stack.layer_dims, stack.layer_ptrs, stack.eps, stack.norm_eps, scale,
+                  threads, dims, ptrs)
+    if status == 5:
+        raise IndexError(f"a token id is outside the embedding's {stack.vocab} rows")
+    cpu_kernel._check(status)
+    CALLS[stack.plans[0].dtype_name] += steps * len(stack.plans)
+    return tokens, logprobs

@@ -35,7 +35,7 @@ from rzero.ops import cpu_layer, weight_copies
 from rzero.ops.gemm_route import BF16_GEMMS, KERNEL_MAX, bf16_gemm, bf16_kernel, on_kernel  # noqa: F401  (the rules this linear applies)
 from rzero.ops.scratch import scratch
 from rzero.ops.cpu_layer import decoder_layer  # noqa: F401  (an engine step's dense layer in one C call)
-from rzero.ops.cpu_stack import decoder_stack  # noqa: F401  (an engine step's whole backbone in one C call)
+from rzero.ops.cpu_stack import decode_steps, decoder_stack  # noqa: F401  (an engine step's backbone, or several decode steps, in one C call)
 from rzero.ops.train_layer import attention_block as train_attention, mlp_block as train_mlp  # noqa: F401  (one node each)
 from rzero.ops.invariant_attention import attention, cached_attention  # noqa: F401  (ops of this numerics)
 from rzero.ops.invariant_rows import (  # noqa: F401

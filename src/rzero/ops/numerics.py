@@ -194,6 +194,23 @@ class Numerics:
         return None if fused is None else fused(ids, meta, embed, rope, layers, caches, norm, scale)
 
     @_op
+    def decode_steps(
+        self, ids: torch.Tensor, context: torch.Tensor, tables: torch.Tensor, temperature: torch.Tensor,
+        uniform: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], lm_head: torch.Tensor,
+        embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layers: list[DenseLayerWeights],
+        norm: tuple[torch.Tensor, float], scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`uniform.shape[0]` engine decode steps of B sequences (backbone, LM head, temperature,
+        log_softmax, the draw at uniform[step, b]) in one call, each with the bits of the steps one
+        by one, where this numerics has it (invariant numerics on the CPU: rzero/ops/cpu_stack.py);
+        (tokens, logprobs), each (steps, B); None elsewhere, and the caller runs the steps."""
+        fused = getattr(self._on(embed), "decode_steps", None)
+        if fused is None:
+            return None
+        padded = -(-ids.shape[0] // self.row_tile) * self.row_tile
+        return fused(ids, context, tables, temperature, uniform, padded, lm_head, embed, rope, layers, caches, norm, scale)
+
+    @_op
     def train_attention(
         self, h: torch.Tensor, params: AttentionParams, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta
     ) -> torch.Tensor | None:

@@ -107,6 +107,11 @@ class UniformStream:
         return self._drawn[self._next - 1]
 
 
+    def give_back(self, values: list[float]) -> None:
+        """Put back the last values drawn (in the order drawn): the next draws yield them again."""
+        self._drawn, self._next = values + self._drawn[self._next :], 0
+
+
 def _uniform(source: torch.Generator | UniformStream | None) -> float:
     if isinstance(source, UniformStream):
         return source.next()
