@@ -3,7 +3,7 @@
     python benchmarks/bench_engine.py [--model DIR | --model qwen3-0.6b-shape | --preset tiny-dense]
                                       [--workload uniform|rl] [--dtype bf16,fp32]
                                       [--numerics invariant,standard] [--sampling sample|greedy]
-                                      [--threads N] [--clock wall|cpu]
+                                      [--threads N] [--clock wall|cpu] [--decode-steps-per-call K]
 
 Workloads:
 
@@ -37,7 +37,9 @@ machine load hit all alike; each number is the median over `--reps` after `--war
 `--clock cpu` times CPU seconds of the process instead of wall time (steadier on a loaded
 machine; use it with `--threads 1`). rzero gets a fresh Engine per repetition (same loaded
 model), so the prefix cache of an earlier repetition never skips a later one's prefill.
-`--profile` adds a cProfile of one rzero generation.
+`--profile` adds a cProfile of one rzero generation. `--decode-steps-per-call 1` runs rzero's engine
+one decode step per model call (its default runs up to 8 in one call where the batch allows:
+docs/design.md, "Several decode steps per call").
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def _timed(fn, now) -> float:
     return now() - start
 
 
-def rzero_runner(model, work: Workload, greedy: bool, mode: str, now):
+def rzero_runner(model, work: Workload, greedy: bool, mode: str, now, steps_per_call: int | None = None):
     """Returns run() -> (seconds, generated tokens, FLOPs): a fresh engine per call (not timed)."""
     longest = max(len(p) for p in work.prompts) + work.new_tokens
     # Enough blocks that nothing is preempted, whatever the model's size.
@@ -151,6 +153,7 @@ def rzero_runner(model, work: Workload, greedy: bool, mode: str, now):
         engine = Engine(
             model, numerics=mode, dtype=model.dtype, num_kv_blocks=num_blocks,
             max_num_seqs=len(work.prompts) * work.n, eos_token_ids=work.stop_ids,
+            **({} if steps_per_call is None else {"decode_steps_per_call": steps_per_call}),
         )
         start = now()
         outs = engine.generate(work.prompts, params)
@@ -252,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="rl: distinct prompts")
     parser.add_argument("--n", type=int, default=8, help="rl: samples per prompt")
     parser.add_argument("--prefix", type=int, default=32, help="rl: tokens of the prefix every prompt shares")
+    parser.add_argument("--decode-steps-per-call", type=int,
+                        help="rzero's Engine(decode_steps_per_call=...) (default: the engine's, 8)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             work = make_workload(args, model.config.vocab_size)
             runners = {"transformers": hf_runner(model_dir, parse_dtype(dtype), work, greedy, model.config, now)}
             for mode in modes:
-                runners[f"rzero {mode}"] = rzero_runner(model, work, greedy, mode, now)
+                runners[f"rzero {mode}"] = rzero_runner(model, work, greedy, mode, now, args.decode_steps_per_call)
             rates = measure(runners, args.reps, args.warmup)
             for mode in modes:
                 rows.append((dtype, mode, *rates[f"rzero {mode}"], *rates["transformers"]))

@@ -128,6 +128,10 @@ class RolloutSection(Section):
     cpus_per_worker: float = Field(1.0, ge=0)  # Ray resources of each rollout actor
     gpus_per_worker: float = Field(0.0, ge=0)
     recompute_on_update: bool = True
+    # Decode steps an engine may run in one model call when every running sequence only decodes
+    # (Engine.decode_steps_per_call; the same tokens and logprobs as one step at a time). Weights
+    # load between calls, so a load can wait this many decode steps.
+    decode_steps_per_call: int = Field(8, ge=1)
     # Engines load new weights once they are this many versions behind the trainer. Each load
     # recomputes the K/V of every sequence in flight (exact μ), so in async runs with many long
     # episodes a larger interval buys throughput for a little lag (at most max_lag).

@@ -38,6 +38,7 @@ class EngineFactory:
     recompute_on_update: bool
     seed: int
     version: int
+    decode_steps_per_call: int = 8
 
     def __call__(self) -> Engine:
         return Engine(
@@ -48,6 +49,7 @@ class EngineFactory:
             recompute_on_update=self.recompute_on_update,
             seed=self.seed,
             version=self.version,
+            decode_steps_per_call=self.decode_steps_per_call,
         )
 
 

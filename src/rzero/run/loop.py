@@ -192,6 +192,7 @@ def _train(
         recompute_on_update=r.recompute_on_update,
         seed=config.run.seed,
         version=trainer.version,
+        decode_steps_per_call=r.decode_steps_per_call,
     )
     resources = contextlib.ExitStack()  # the Ray cluster and the rollout actors' reservation
 

@@ -151,7 +151,8 @@ def main(args: argparse.Namespace) -> int:
             args.model,
             numerics=args.numerics,
             device=args.device,
-            dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed
+            dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed,
+            decode_steps_per_call=args.decode_steps_per_call,
         )
         name = args.served_model_name or Path(args.model).resolve().name
         app = build_app(engine, name, ChatTemplate.from_model_dir(args.model), args.max_request_bytes)
