@@ -121,3 +121,13 @@ def test_the_stream_gives_back_its_draws():
 def test_steps_per_call_below_one_is_refused(tiny_dense_dir):
     with pytest.raises(ValueError, match="decode_steps_per_call must be >= 1"):
         Engine(model(tiny_dense_dir, "fp32"), decode_steps_per_call=0)
+
+
+def test_a_decode_batch_lays_out_its_rows():
+    from rzero.ops import DecodeBatch
+
+    batch = DecodeBatch.build([7, 8], [20, 3], [4, 2], [{2, 5}, []], [[4, 9], [1]], [1.0, 0.5], [[0.1, 0.2], [0.3, 0.4]])
+    assert batch.stop_ids.tolist() in ([2, 5], [5, 2]) and batch.stop_start.tolist() == [0, 2, 2]
+    assert batch.block_tables.tolist() == [[4, 9], [1, 0]]
+    assert batch.uniform.tolist() == [[pytest.approx(0.1), pytest.approx(0.3)], [pytest.approx(0.2), pytest.approx(0.4)]]
+    assert batch.uniform.is_contiguous() and batch.temperature.dtype == torch.float32

@@ -29,7 +29,7 @@ from rzero.engine.scheduler import Scheduler
 from rzero.engine.sequence import RequestOutput, SamplingParams, Sequence, Status, StepOutput, cut_at_stop
 from rzero.model.io import load_model, parse_dtype
 from rzero.model.qwen3 import Qwen3ForCausalLM
-from rzero.ops import ATTN_BLOCK, AttentionMeta, Numerics, numerics as numerics_of, resolve_device
+from rzero.ops import ATTN_BLOCK, AttentionMeta, DecodeBatch, Numerics, numerics as numerics_of, resolve_device
 
 Prompt = str | list[int]
 
@@ -277,12 +277,10 @@ class Engine:
 
     def _decode_steps(self, batch: list[tuple[Sequence, int]]) -> list[StepOutput] | None:
         """Up to decode_steps_per_call decode steps of the batch in one model call (Model.decode_steps),
-        where they give what the steps one by one give: every sequence decodes (one token, its last),
-        samples plainly (a temperature; no greedy, top-k, top-p, stop strings or top logprobs), and no
-        request waits to be admitted, so no step would have had another batch but for sequences that
-        end. A sequence that ends (a stop token) runs on to the call's end and what it computes after
-        its end is dropped: no row's bits depend on another's (invariant numerics). None: the caller
-        runs one step."""
+        where they give what the steps one by one give: every sequence decodes (one token, its last)
+        and samples plainly (a temperature; no greedy, top-k, top-p, stop strings or top logprobs),
+        and no request waits to be admitted, so each step's batch is the running sequences that have
+        not ended. None: the caller runs one step."""
         if self.scheduler.waiting:
             return None
         steps = self.decode_steps_per_call
@@ -291,32 +289,28 @@ class Engine:
             if (n != 1 or seq.num_computed + 1 != len(seq) or transform.temperature <= 0 or transform.top_k
                     or transform.top_p < 1 or seq.params.stop or seq.top_logprobs is not None):
                 return None
-            steps = min(steps, seq.length_limit - len(seq))
-        if steps < 2 or not all(self.scheduler.reserve(seq, seq.num_computed + steps) for seq, _ in batch):
-            return None
         seqs = [seq for seq, _ in batch]
-        width = max(len(seq.block_table) for seq in seqs)
+        limits = [min(steps, seq.length_limit - len(seq)) for seq in seqs]
+        if max(limits) < 2 or not all(self.scheduler.reserve(seq, seq.num_computed + k) for seq, k in zip(seqs, limits)):
+            return None
         uniforms = [[seq.uniforms.next() for _ in range(steps)] for seq in seqs]  # each sequence's own draws
-        result = self.model.decode_steps(
-            torch.tensor([seq.token_ids[-1] for seq in seqs]),
-            torch.tensor([seq.num_computed for seq in seqs]),
-            torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]),
-            torch.tensor([seq.transform.temperature for seq in seqs], dtype=torch.float32),
-            torch.tensor(uniforms, dtype=torch.float32).t().contiguous(),
-            self.kv_caches,
-        )
+        result = self.model.decode_steps(DecodeBatch.build(
+            [seq.token_ids[-1] for seq in seqs], [seq.num_computed for seq in seqs], limits,
+            [seq.stop_ids for seq in seqs], [seq.block_table for seq in seqs],
+            [seq.transform.temperature for seq in seqs], uniforms,
+        ), self.kv_caches)
         if result is None:
             for seq, drawn in zip(seqs, uniforms):
                 seq.uniforms.give_back(drawn)  # the steps one by one draw them
             self._several_steps = False
             return None
+        tokens, logprobs, counts = result[0].t().tolist(), result[1].t().tolist(), result[2].tolist()
         by_step: list[list[StepOutput]] = [[] for _ in range(steps)]
-        for seq, row, row_logprobs in zip(seqs, result[0].t().tolist(), result[1].t().tolist()):
-            for k in range(steps):  # as the steps one by one: the input's K/V in the cache, then the token
+        for seq, row, row_logprobs, count, drawn in zip(seqs, tokens, logprobs, counts, uniforms):
+            for k in range(count):  # as the steps one by one: the input's K/V in the cache, then the token
                 self.scheduler.computed(seq, 1)
                 by_step[k].append(self._append(seq, row[k], row_logprobs[k], None))
-                if by_step[k][-1].finished:
-                    break
+            seq.uniforms.give_back(drawn[count:])  # drawn for steps it did not run
         return [out for outputs in by_step for out in outputs]
 
     def _fork(self, leader: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:

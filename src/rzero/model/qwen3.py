@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rzero.ops import (
-    ATTN_BLOCK, AttentionMeta, AttentionParams, DenseLayerWeights, MLPParams, Numerics, joined, packed, private_cache,
+    ATTN_BLOCK, AttentionMeta, AttentionParams, DecodeBatch, DenseLayerWeights, MLPParams, Numerics, joined, packed,
+    private_cache,
 )
 from rzero.model.qwen3_config import Qwen3Config  # noqa: F401  (the model's config, named here too)
 from rzero.ops import numerics as numerics_of
@@ -290,13 +291,11 @@ class Qwen3ForCausalLM(nn.Module):
         return None if None in layers else (self.model.embed_tokens.weight, (self.rope_cos, self.rope_sin), layers,
                                             (self.model.norm.weight, self.model.norm.eps), self.model.layers[0].self_attn.scale)
 
-    def decode_steps(self, ids: torch.Tensor, context: torch.Tensor, tables: torch.Tensor, temperature: torch.Tensor,
-                     uniform: torch.Tensor, kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """uniform.shape[0] engine decode steps in one call where the numerics has it (Numerics.decode_steps:
-        the tokens and logprobs the steps one by one would give); None elsewhere."""
+    def decode_steps(self, batch: DecodeBatch, kv_caches: list[KVCache]) -> tuple[torch.Tensor, ...] | None:
+        """Several engine decode steps in one call where the numerics has it (Numerics.decode_steps:
+        the tokens and logprobs the steps one by one would give, and each row's count); None elsewhere."""
         parts = self._backbone()
-        return None if parts is None else self.numerics.decode_steps(
-            ids, context, tables, temperature, uniform, kv_caches, self.lm_head.weight, *parts)
+        return None if parts is None else self.numerics.decode_steps(batch, kv_caches, self.lm_head.weight, *parts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits in fp32 for the given rows of hidden states."""

@@ -5,7 +5,7 @@ says what each guarantees). There is no process-wide mode: an `Engine` or a `Tra
 its numerics at construction and hands it to its model copy, so both modes can run side by side.
 """
 
-from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta, private_cache
+from rzero.ops.attention_meta import ATTN_BLOCK, AttentionMeta, DecodeBatch, private_cache
 from rzero.ops.cpu_layer import DenseLayerWeights
 from rzero.ops.device import DEVICE_NAMES, resolve_device
 from rzero.ops.layout import joined, packed
@@ -21,6 +21,7 @@ __all__ = [
     "STANDARD",
     "AttentionMeta",
     "AttentionParams",
+    "DecodeBatch",
     "DenseLayerWeights",
     "MLPParams",
     "Numerics",

@@ -8,6 +8,7 @@ with the same structure, so both reach the same attention kernel.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -173,6 +174,45 @@ class AttentionMeta:
             meta.copy_slots = torch.tensor(copy_slots, dtype=torch.long)
             meta.copy_rows = torch.tensor(copy_rows, dtype=torch.long)
         return meta
+
+
+@dataclass
+class DecodeBatch:
+    """Several decode steps of B sequences in one call (`Numerics.decode_steps`). Row b: its last
+    token ids[b] at position context[b] (the first step's input), its cache blocks in row b of
+    block_tables (enough for limit[b] more tokens), at most limit[b] tokens drawn, the last of them
+    one of its stop ids (stop_ids[stop_start[b]:stop_start[b + 1]]) if one is drawn; sampled at
+    temperature[b], with uniform[k, b] at step k. Built on the CPU."""
+
+    ids: torch.Tensor  # (B,) int64
+    context: torch.Tensor  # (B,) int64
+    limit: torch.Tensor  # (B,) int64
+    stop_ids: torch.Tensor  # (sum of the rows' stop id counts,) int64
+    stop_start: torch.Tensor  # (B + 1,) int64
+    block_tables: torch.Tensor  # (B, n_blocks) int64, padded with 0
+    temperature: torch.Tensor  # (B,) fp32
+    uniform: torch.Tensor  # (steps, B) fp32
+
+    @classmethod
+    def build(cls, ids: list[int], context: list[int], limit: list[int], stop_ids: list[Iterable[int]],
+              block_tables: list[list[int]], temperature: list[float], uniform: list[list[float]]) -> DecodeBatch:
+        """`uniform`: each row's draws, one per step (B lists of steps)."""
+        rows = len(ids)
+        stops = [list(s) for s in stop_ids]
+        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=rows)
+        tables = np.zeros((rows, int(lengths.max())), dtype=np.int64)
+        tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
+        return cls(
+            ids=torch.tensor(ids, dtype=torch.int64),
+            context=torch.tensor(context, dtype=torch.int64),
+            limit=torch.tensor(limit, dtype=torch.int64),
+            stop_ids=torch.tensor(list(itertools.chain.from_iterable(stops)), dtype=torch.int64),
+            stop_start=torch.from_numpy(np.concatenate(([0], np.cumsum([len(s) for s in stops], dtype=np.int64)))),
+            block_tables=torch.from_numpy(tables),
+            temperature=torch.tensor(temperature, dtype=torch.float32),
+            uniform=torch.tensor(uniform, dtype=torch.float32).t().contiguous(),
+        )
 
 
 def private_cache(x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:

@@ -19,7 +19,7 @@ import ctypes
 import torch
 
 from rzero.ops import cpu_kernel, cpu_layer
-from rzero.ops.attention_meta import AttentionMeta
+from rzero.ops.attention_meta import AttentionMeta, DecodeBatch
 from rzero.ops.cpu_layer import CALLS, DenseLayerWeights, _Plan, _weights_apply
 from rzero.ops.scratch import scratch
 
@@ -160,32 +160,33 @@ def decoder_stack(
 
 
 def decode_steps(
-    ids: torch.Tensor, context: torch.Tensor, tables: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
-    padded: int, lm_head: torch.Tensor, embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    batch: DecodeBatch, row_tile: int, lm_head: torch.Tensor, embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     layers: list[DenseLayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], norm: tuple[torch.Tensor, float],
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`uniform.shape[0]` decode steps of B sequences in one C call (csrc/kernels.c, rz_decode_steps):
-    sequence b's token ids[b] at position context[b] (its cache blocks in row b of `tables`, enough
-    for every step), then each step's drawn token at the next position. Each step is an engine step
-    of those B rows, `padded` rows in all: the backbone (decoder_stack), the LM head (the invariant
-    linear on rzero's own GEMM), logits / temperature[b], log_softmax and the draw at uniform[step, b].
-    Returns the tokens (steps, B) and their logprobs; None where a part has no C path here (the LM
-    head's GEMM, the backbone), and the caller runs the steps one by one."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Up to `batch.uniform.shape[0]` decode steps of its B sequences in one C call (csrc/kernels.c,
+    rz_decode_steps), each step an engine step of the rows still running (padded to `row_tile`):
+    the backbone (decoder_stack), the LM head (the invariant linear on rzero's own GEMM), logits /
+    temperature, log_softmax and the draw; a row stops at one of its stop ids or its limit.
+    Returns the tokens and logprobs (steps, B), valid for step k < counts[b], and counts (B,); None
+    where a part has no C path here (the LM head's GEMM, the backbone), and the caller runs the
+    steps one by one."""
     threads = torch.get_num_threads()
     operand = cpu_layer.own_gemm_operand(lm_head, True)
     stack = None if operand is None else _stack_for(layers, caches, embed, rope, norm, threads)
     if stack is None or lm_head.shape[1] != stack.hidden:
         return None
-    steps, rows = uniform.shape
-    vocab = lm_head.shape[0]
+    steps, rows = batch.uniform.shape
     tokens = torch.empty(steps, rows, dtype=torch.int64)
     logprobs = torch.empty(steps, rows, dtype=torch.float32)
-    stack.dims[_DIMS.index("table_stride")] = tables.shape[1]
-    stack.ptrs[_PTRS.index("tables")] = tables.data_ptr()
-    stack.ptrs[_PTRS.index("work")] = stack.scratch(padded).data_ptr()
-    dims = (ctypes.c_int64 * 6)(steps, rows, padded, vocab, caches[0][0].shape[1], operand[1])
-    ptrs = (ctypes.c_void_p * 7)(*(t.data_ptr() for t in (ids, context, temperature, uniform, operand[0], tokens, logprobs)))
+    counts = torch.empty(rows, dtype=torch.int64)
+    stack.dims[_DIMS.index("table_stride")] = batch.block_tables.shape[1]
+    stack.ptrs[_PTRS.index("tables")] = batch.block_tables.data_ptr()
+    stack.ptrs[_PTRS.index("work")] = stack.scratch(-(-rows // row_tile) * row_tile).data_ptr()
+    dims = (ctypes.c_int64 * 6)(steps, rows, row_tile, lm_head.shape[0], caches[0][0].shape[1], operand[1])
+    ptrs = (ctypes.c_void_p * 11)(*(t.data_ptr() for t in (
+        batch.ids, batch.context, batch.limit, batch.stop_ids, batch.stop_start, batch.temperature, batch.uniform,
+        operand[0], tokens, logprobs, counts)))
     call = stack.lib.rz_decode_steps
     if call.argtypes is None:  # bound here: load() also loads older sources (benchmarks/bench_attention.py)
         ptr = ctypes.c_void_p
@@ -195,5 +196,5 @@ def decode_steps(
     if status == 5:
         raise IndexError(f"a token id is outside the embedding's {stack.vocab} rows")
     cpu_kernel._check(status)
-    CALLS[stack.plans[0].dtype_name] += steps * len(stack.plans)
-    return tokens, logprobs
+    CALLS[stack.plans[0].dtype_name] += len(stack.plans) * max(counts.tolist(), default=0)  # the steps that ran
+    return tokens, logprobs, counts

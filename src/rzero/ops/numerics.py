@@ -25,7 +25,7 @@ import torch
 from rzero.ops import invariant as _invariant
 from rzero.ops import sampling as _sampling
 from rzero.ops import standard as _standard
-from rzero.ops.attention_meta import AttentionMeta
+from rzero.ops.attention_meta import AttentionMeta, DecodeBatch
 from rzero.ops.cpu_layer import DenseLayerWeights
 from rzero.ops.sampling import SamplingTransform
 from rzero.ops.train_layer import AttentionParams, MLPParams
@@ -195,20 +195,17 @@ class Numerics:
 
     @_op
     def decode_steps(
-        self, ids: torch.Tensor, context: torch.Tensor, tables: torch.Tensor, temperature: torch.Tensor,
-        uniform: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], lm_head: torch.Tensor,
+        self, batch: DecodeBatch, caches: list[tuple[torch.Tensor, torch.Tensor]], lm_head: torch.Tensor,
         embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layers: list[DenseLayerWeights],
         norm: tuple[torch.Tensor, float], scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`uniform.shape[0]` engine decode steps of B sequences (backbone, LM head, temperature,
-        log_softmax, the draw at uniform[step, b]) in one call, each with the bits of the steps one
-        by one, where this numerics has it (invariant numerics on the CPU: rzero/ops/cpu_stack.py);
-        (tokens, logprobs), each (steps, B); None elsewhere, and the caller runs the steps."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Up to batch.uniform.shape[0] engine decode steps of its sequences (backbone, LM head,
+        temperature, log_softmax, the draw), each with the bits of the steps one by one, in one call
+        where this numerics has it (invariant numerics on the CPU: rzero/ops/cpu_stack.py): tokens
+        and logprobs (steps, B), valid below each row's count, and the counts (B,); None elsewhere,
+        and the caller runs the steps."""
         fused = getattr(self._on(embed), "decode_steps", None)
-        if fused is None:
-            return None
-        padded = -(-ids.shape[0] // self.row_tile) * self.row_tile
-        return fused(ids, context, tables, temperature, uniform, padded, lm_head, embed, rope, layers, caches, norm, scale)
+        return None if fused is None else fused(batch, self.row_tile, lm_head, embed, rope, layers, caches, norm, scale)
 
     @_op
     def train_attention(

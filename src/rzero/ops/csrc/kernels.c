@@ -1677,45 +1677,55 @@ int rz_decoder_stack(const int64_t *dims, void *const *ptrs, int64_t *const *lay
     return status;
 }
 
-/* `steps` decode steps of one batch of sequences in one call (rzero/ops/cpu_stack.py, decode_steps):
-   each step runs the backbone (rz_decoder_stack) on one token per sequence at the position after
-   the last, the LM head (the invariant linear's own GEMM: layer_gemm), the sampling transform of a
-   temperature (the logits widened to fp32 and divided by it, as torch divides, or left alone at 1),
-   rz_log_softmax and rz_inverse_cdf at the row's uniform for that step; the token drawn is the row's
-   next input. The calls and rows of the engine's steps one by one, so their bits. The stack's step
-   entries (SD_TOKENS, SD_PADDED, the ids, positions, slots, sequences and output) are written here;
-   the caller sets SD_TABLE_STRIDE, SP_TABLES and SP_SCRATCH. Padding rows (rows..padded) take token
-   0 at the first row's position, as AttentionMeta pads; no row reads another's. */
-enum { DD_STEPS, DD_ROWS, DD_PADDED, DD_VOCAB, DD_BLOCK, DD_KBLOCK, DD_COUNT };
-enum { DP_IDS, DP_CONTEXT, DP_TEMPERATURE, DP_UNIFORM, DP_LM_HEAD, DP_TOKENS, DP_LOGPROBS, DP_COUNT };
+/* Up to `steps` decode steps of a batch of sequences in one call (rzero/ops/cpu_stack.py,
+   decode_steps): each step runs the backbone (rz_decoder_stack) on one token of each sequence still
+   running, at the position after its last, the LM head (the invariant linear's own GEMM: layer_gemm),
+   the sampling transform of a temperature (the logits widened to fp32 and divided by it, as torch
+   divides, or left alone at 1), rz_log_softmax and rz_inverse_cdf at the row's uniform for that
+   step; the token drawn is the row's next input. A row stops after drawing one of its stop ids or
+   its limit of tokens, and the later steps run without it, as the engine's batches one step at a
+   time do: the calls and rows of those steps, so their bits. The stack's step entries (SD_TOKENS,
+   SD_PADDED, the ids, positions, slots, sequences and output) are written here; the caller sets
+   SD_TABLE_STRIDE, SP_TABLES and SP_SCRATCH (for `rows` rows, padded). Rows are padded to a
+   multiple of the row tile with token 0 at the first row's position, as AttentionMeta pads. */
+enum { DD_STEPS, DD_ROWS, DD_ROW_TILE, DD_VOCAB, DD_BLOCK, DD_KBLOCK, DD_COUNT };
+enum { DP_IDS, DP_CONTEXT, DP_LIMIT, DP_STOPS, DP_STOP_START, DP_TEMPERATURE, DP_UNIFORM, DP_LM_HEAD, DP_TOKENS,
+       DP_LOGPROBS, DP_COUNTS, DP_COUNT };
 
 int rz_decode_steps(int64_t *dims, void **ptrs, int64_t *const *layer_dims, void **const *layer_ptrs, const float *eps,
                     float norm_eps, float scale, int threads, const int64_t *steps_dims, void *const *steps_ptrs) {
-    const int64_t steps = steps_dims[DD_STEPS], B = steps_dims[DD_ROWS], P = steps_dims[DD_PADDED];
+    const int64_t steps = steps_dims[DD_STEPS], B = steps_dims[DD_ROWS], tile = steps_dims[DD_ROW_TILE];
     const int64_t V = steps_dims[DD_VOCAB], block = steps_dims[DD_BLOCK], stride = dims[SD_TABLE_STRIDE];
-    const int64_t hidden = dims[SD_HIDDEN], size = dims[SD_BF16] ? 2 : 4;
+    const int64_t hidden = dims[SD_HIDDEN], size = dims[SD_BF16] ? 2 : 4, P = (B + tile - 1) / tile * tile;
     const int bf16 = (int)dims[SD_BF16];
-    const int64_t *ids_in = steps_ptrs[DP_IDS], *context = steps_ptrs[DP_CONTEXT], *tables = ptrs[SP_TABLES];
+    const int64_t *ids_in = steps_ptrs[DP_IDS], *context = steps_ptrs[DP_CONTEXT], *limit = steps_ptrs[DP_LIMIT];
+    const int64_t *stops = steps_ptrs[DP_STOPS], *stop_start = steps_ptrs[DP_STOP_START], *tables = ptrs[SP_TABLES];
     const float *temperature = steps_ptrs[DP_TEMPERATURE], *uniform = steps_ptrs[DP_UNIFORM];
-    int64_t *tokens = steps_ptrs[DP_TOKENS];
+    int64_t *tokens = steps_ptrs[DP_TOKENS], *counts = steps_ptrs[DP_COUNTS];
     float *logprobs = steps_ptrs[DP_LOGPROBS];
-    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(4 * P));
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(5 * P + B));
     char *h = malloc((size_t)(P * hidden * size + B * V * size));
-    float *x = malloc(sizeof(float) * (size_t)(2 * B * V + (threads > 0 ? threads : 1) * 4 * V));
+    float *x = malloc(sizeof(float) * (size_t)(2 * B * V + B + (threads > 0 ? threads : 1) * 4 * V));
     int status = ids && h && x ? 0 : 1;
-    int64_t *positions = ids + P, *slots = positions + P, *seq = slots + P; /* padded rows' slots: never written */
+    int64_t *positions = ids + P, *slots = positions + P, *seq = slots + P, *drawn = seq + P, *live = drawn + P;
     char *logits = h + P * hidden * size;
-    float *lp = x + B * V, *prefixes = lp + B * V;
-    for (int64_t k = 0; k < steps && !status; k++) {
-        for (int64_t b = 0; b < P; b++) {
-            const int64_t r = b < B ? b : 0;
-            positions[b] = context[r] + k;
-            ids[b] = b >= B ? 0 : k ? tokens[(k - 1) * B + b] : ids_in[b];
-            slots[b] = tables[r * stride + positions[b] / block] * block + positions[b] % block;
-            seq[b] = r;
+    float *lp = x + B * V, *u = lp + B * V, *prefixes = u + B;
+    int64_t n = 0; /* rows still running, in order */
+    for (int64_t b = 0; b < B; b++) {
+        counts[b] = 0;
+        if (limit[b] > 0) live[n++] = b;
+    }
+    for (int64_t k = 0; k < steps && n > 0 && !status; k++) {
+        const int64_t padded = (n + tile - 1) / tile * tile;
+        for (int64_t i = 0; i < padded; i++) {
+            const int64_t b = live[i < n ? i : 0];
+            positions[i] = context[b] + k;
+            ids[i] = i >= n ? 0 : k ? tokens[(k - 1) * B + b] : ids_in[b];
+            slots[i] = tables[b * stride + positions[i] / block] * block + positions[i] % block; /* padding: unread */
+            seq[i] = b;
         }
-        dims[SD_TOKENS] = B;
-        dims[SD_PADDED] = P;
+        dims[SD_TOKENS] = n;
+        dims[SD_PADDED] = padded;
         ptrs[SP_IDS] = ids;
         ptrs[SP_POSITIONS] = ptrs[SP_POS] = positions;
         ptrs[SP_SLOTS] = slots;
@@ -1723,19 +1733,29 @@ int rz_decode_steps(int64_t *dims, void **ptrs, int64_t *const *layer_dims, void
         ptrs[SP_OUT] = h;
         status = rz_decoder_stack(dims, ptrs, layer_dims, layer_ptrs, eps, norm_eps, scale, threads);
         if (!status)
-            status = layer_gemm(bf16, h, B, hidden, steps_ptrs[DP_LM_HEAD], V, steps_dims[DD_KBLOCK], logits, threads);
+            status = layer_gemm(bf16, h, n, hidden, steps_ptrs[DP_LM_HEAD], V, steps_dims[DD_KBLOCK], logits, threads);
         if (status) break;
-        for (int64_t b = 0; b < B; b++) {
-            const float t = temperature[b];
-            float *row = x + b * V;
+        for (int64_t i = 0; i < n; i++) {
+            const float t = temperature[live[i]];
+            float *row = x + i * V;
             for (int64_t v = 0; v < V; v++)
-                row[v] = bf16 ? bf16_value(((const uint16_t *)logits)[b * V + v]) : ((const float *)logits)[b * V + v];
+                row[v] = bf16 ? bf16_value(((const uint16_t *)logits)[i * V + v]) : ((const float *)logits)[i * V + v];
             if (t != 1.0f)
                 for (int64_t v = 0; v < V; v++) row[v] = row[v] / t;
+            u[i] = uniform[k * B + live[i]];
         }
-        status = rz_log_softmax(x, B, V, V, lp, threads);
-        if (!status) status = rz_inverse_cdf(lp, B, V, uniform + k * B, prefixes, tokens + k * B, threads);
-        for (int64_t b = 0; b < B && !status; b++) logprobs[k * B + b] = lp[b * V + tokens[k * B + b]];
+        status = rz_log_softmax(x, n, V, V, lp, threads);
+        if (!status) status = rz_inverse_cdf(lp, n, V, u, prefixes, drawn, threads);
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n && !status; i++) {
+            const int64_t b = live[i], token = drawn[i];
+            tokens[k * B + b] = token;
+            logprobs[k * B + b] = lp[i * V + token];
+            int ends = ++counts[b] == limit[b];
+            for (int64_t j = stop_start[b]; j < stop_start[b + 1] && !ends; j++) ends = stops[j] == token;
+            if (!ends) live[kept++] = b;
+        }
+        n = kept;
     }
     free(ids);
     free(h);
