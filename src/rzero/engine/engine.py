@@ -3,7 +3,9 @@
 Each `step()` runs one forward pass over a flat batch that mixes decode tokens of running requests
 with prompt chunks of new ones (chunked prefill, under a token budget; scheduler.py chooses), then
 samples one token for every sequence whose tokens are all in the cache (sampler.py). Requests join
-and leave at any step. A request's n samples run its prompt once: the others fork from the first
+and leave at any step. Once every running sequence only decodes, a step may run up to
+`decode_steps_per_call` decode steps in one model call, with the same results as one at a time
+(`_decode_steps`; docs/design.md, "Several decode steps per call"). A request's n samples run its prompt once: the others fork from the first
 when its prompt is computed (Scheduler.fork) and draw their first tokens from its logits. K/V
 live in a paged cache with a fixed number of blocks; when it is full the newest running sequence
 is preempted and later recomputed, which under invariant numerics gives back the same bits.
@@ -38,7 +40,8 @@ class Engine:
     """`model`: a model directory, or a model object (the engine takes its own copy). `numerics`:
     the ops its forward passes and sampler run ("invariant" or "standard"), held by its own model
     copy, so engines of different modes can share a process. `device`: where the model, its paged
-    KV cache and the sampler run ("cpu", "cuda", "auto"; default: the given model's device)."""
+    KV cache and the sampler run ("cpu", "cuda", "auto"; default: the given model's device).
+    `decode_steps_per_call`: the most decode steps one model call may run (1: one per call)."""
 
     def __init__(
         self,
@@ -230,7 +233,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Run one forward pass and sample; returns the tokens sampled in this step."""
+        """Run one forward pass and sample, or several decode steps in one call (`_decode_steps`);
+        returns the tokens sampled, in step order (a sequence's tokens in its order)."""
         with self._lock:
             batch = self.scheduler.schedule()
             if not batch:
