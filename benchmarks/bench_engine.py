@@ -38,7 +38,7 @@ machine load hit all alike; each number is the median over `--reps` after `--war
 machine; use it with `--threads 1`). rzero gets a fresh Engine per repetition (same loaded
 model), so the prefix cache of an earlier repetition never skips a later one's prefill.
 `--profile` adds a cProfile of one rzero generation. `--decode-steps-per-call 1` runs rzero's engine
-one decode step per model call (its default runs up to 8 in one call where the batch allows:
+one decode step per model call (its default runs up to 16 in one call where the batch allows:
 docs/design.md, "Several decode steps per call").
 """
 
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=8, help="rl: samples per prompt")
     parser.add_argument("--prefix", type=int, default=32, help="rl: tokens of the prefix every prompt shares")
     parser.add_argument("--decode-steps-per-call", type=int,
-                        help="rzero's Engine(decode_steps_per_call=...) (default: the engine's, 8)")
+                        help="rzero's Engine(decode_steps_per_call=...) (default: the engine's, 16)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")

@@ -75,7 +75,7 @@ def run(model_dir, dtype, steps_per_call, requests, **engine_kwargs):
 def test_several_steps_per_call_give_the_steps_one_by_one(tiny_dense_dir, dtype):
     stops = list(range(3, 40))  # ~4 % of the vocabulary: samples end at different steps, mid-call
     requests = [(p, SamplingParams(max_tokens=23, seed=i, stop_token_ids=stops, temperature=(1.0, 0.7)[i % 2]))
-                for i, p in enumerate(prompts(12))]
+                for i, p in enumerate(prompts(20))]  # with the group below: 24 rows, a chunk of 16 and one of 8
     requests.append((prompts(1, seed=5)[0], SamplingParams(max_tokens=19, seed=50, n=4)))  # a forked group
     one, one_cache, one_counts = run(tiny_dense_dir, dtype, 1, requests)
     several, several_cache, counts = run(tiny_dense_dir, dtype, 8, requests)

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=DEVICE_NAMES, help=DEVICE_HELP)
     p.add_argument("--served-model-name", help="model name clients ask for (default: the directory's name)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
-    p.add_argument("--decode-steps-per-call", type=int, default=8,
+    p.add_argument("--decode-steps-per-call", type=int, default=16,
                    help="decode steps one model call may run (1: tokens stream one step at a time)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: 1 below hidden size 1024, else one per core)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")

@@ -131,7 +131,7 @@ class RolloutSection(Section):
     # Decode steps an engine may run in one model call when every running sequence only decodes
     # (Engine.decode_steps_per_call; the same tokens and logprobs as one step at a time). Weights
     # load between calls, so a load can wait this many decode steps.
-    decode_steps_per_call: int = Field(8, ge=1)
+    decode_steps_per_call: int = Field(16, ge=1)
     # Engines load new weights once they are this many versions behind the trainer. Each load
     # recomputes the K/V of every sequence in flight (exact μ), so in async runs with many long
     # episodes a larger interval buys throughput for a little lag (at most max_lag).

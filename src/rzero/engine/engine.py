@@ -60,7 +60,7 @@ class Engine:
         recompute_on_update: bool = True,
         seed: int = 0,
         version: int = 0,
-        decode_steps_per_call: int = 8,
+        decode_steps_per_call: int = 16,
     ):
         self.numerics = numerics_of(numerics)
         requested = None if device is None else resolve_device(device)  # fails before any loading

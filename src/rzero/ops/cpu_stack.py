@@ -167,7 +167,8 @@ def decode_steps(
     """Up to `batch.uniform.shape[0]` decode steps of its B sequences in one C call (csrc/kernels.c,
     rz_decode_steps), each step an engine step of the rows still running (padded to `row_tile`):
     the backbone (decoder_stack), the LM head (the invariant linear on rzero's own GEMM), logits /
-    temperature, log_softmax and the draw; a row stops at one of its stop ids or its limit.
+    temperature, log_softmax and the draw; a row stops at one of its stop ids or its limit. The
+    rows go one row tile at a time through all of their steps (batch invariance: the same bits).
     Returns the tokens and logprobs (steps, B), valid for step k < counts[b], and counts (B,); None
     where a part has no C path here (the LM head's GEMM, the backbone), and the caller runs the
     steps one by one."""
@@ -182,8 +183,11 @@ def decode_steps(
     counts = torch.empty(rows, dtype=torch.int64)
     stack.dims[_DIMS.index("table_stride")] = batch.block_tables.shape[1]
     stack.ptrs[_PTRS.index("tables")] = batch.block_tables.data_ptr()
-    stack.ptrs[_PTRS.index("work")] = stack.scratch(-(-rows // row_tile) * row_tile).data_ptr()
-    dims = (ctypes.c_int64 * 6)(steps, rows, row_tile, lm_head.shape[0], caches[0][0].shape[1], operand[1])
+    stack.ptrs[_PTRS.index("work")] = stack.scratch(row_tile).data_ptr()  # (one chunk's rows)
+    # Chunks of one row tile, each through all of its steps: its K/V stay in the caches from step to
+    # step (1.23-1.30x a one-thread generate of the tiny model against the whole batch per step,
+    # 1.045x at two threads; 8 or 32 rows were slower; docs/benchmarks.md, twentieth session).
+    dims = (ctypes.c_int64 * 7)(steps, rows, row_tile, lm_head.shape[0], caches[0][0].shape[1], operand[1], row_tile)
     ptrs = (ctypes.c_void_p * 11)(*(t.data_ptr() for t in (
         batch.ids, batch.context, batch.limit, batch.stop_ids, batch.stop_start, batch.temperature, batch.uniform,
         operand[0], tokens, logprobs, counts)))

@@ -38,7 +38,7 @@ class EngineFactory:
     recompute_on_update: bool
     seed: int
     version: int
-    decode_steps_per_call: int = 8
+    decode_steps_per_call: int = 16
 
     def __call__(self) -> Engine:
         return Engine(

@@ -1684,82 +1684,106 @@ int rz_decoder_stack(const int64_t *dims, void *const *ptrs, int64_t *const *lay
    divides, or left alone at 1), rz_log_softmax and rz_inverse_cdf at the row's uniform for that
    step; the token drawn is the row's next input. A row stops after drawing one of its stop ids or
    its limit of tokens, and the later steps run without it, as the engine's batches one step at a
-   time do: the calls and rows of those steps, so their bits. The stack's step entries (SD_TOKENS,
-   SD_PADDED, the ids, positions, slots, sequences and output) are written here; the caller sets
-   SD_TABLE_STRIDE, SP_TABLES and SP_SCRATCH (for `rows` rows, padded). Rows are padded to a
-   multiple of the row tile with token 0 at the first row's position, as AttentionMeta pads. */
-enum { DD_STEPS, DD_ROWS, DD_ROW_TILE, DD_VOCAB, DD_BLOCK, DD_KBLOCK, DD_COUNT };
+   time do. The rows go in chunks of `chunk`, each through all of its steps before the next: no
+   row's bits depend on the other rows of its step (batch invariance), so the chunks give the bits
+   of the whole batch's steps, and a chunk's K/V rows stay in the caches from one step to the next
+   (docs/benchmarks.md, twentieth session). The stack's step entries (SD_TOKENS, SD_PADDED, the
+   ids, positions, slots, sequences and output) are written here; the caller sets SD_TABLE_STRIDE,
+   SP_TABLES and SP_SCRATCH (for `rows` rows, padded). Rows are padded to a multiple of the row tile
+   with token 0 at the first row's position, as AttentionMeta pads. */
+enum { DD_STEPS, DD_ROWS, DD_ROW_TILE, DD_VOCAB, DD_BLOCK, DD_KBLOCK, DD_CHUNK, DD_COUNT };
 enum { DP_IDS, DP_CONTEXT, DP_LIMIT, DP_STOPS, DP_STOP_START, DP_TEMPERATURE, DP_UNIFORM, DP_LM_HEAD, DP_TOKENS,
        DP_LOGPROBS, DP_COUNTS, DP_COUNT };
 
-int rz_decode_steps(int64_t *dims, void **ptrs, int64_t *const *layer_dims, void **const *layer_ptrs, const float *eps,
-                    float norm_eps, float scale, int threads, const int64_t *steps_dims, void *const *steps_ptrs) {
+typedef struct {
+    int64_t *ids, *positions, *slots, *seq, *drawn, *live; /* padded rows each (live: the chunk's) */
+    char *hidden, *logits;
+    float *x, *lp, *u, *prefixes;
+} DecodeWork;
+
+/* Rows [first, last) through their steps. */
+static int chunk_steps(int64_t *dims, void **ptrs, int64_t *const *layer_dims, void **const *layer_ptrs,
+                       const float *eps, float norm_eps, float scale, int threads, const int64_t *steps_dims,
+                       void *const *steps_ptrs, int64_t first, int64_t last, const DecodeWork *w) {
     const int64_t steps = steps_dims[DD_STEPS], B = steps_dims[DD_ROWS], tile = steps_dims[DD_ROW_TILE];
     const int64_t V = steps_dims[DD_VOCAB], block = steps_dims[DD_BLOCK], stride = dims[SD_TABLE_STRIDE];
-    const int64_t hidden = dims[SD_HIDDEN], size = dims[SD_BF16] ? 2 : 4, P = (B + tile - 1) / tile * tile;
+    const int64_t hidden = dims[SD_HIDDEN];
     const int bf16 = (int)dims[SD_BF16];
     const int64_t *ids_in = steps_ptrs[DP_IDS], *context = steps_ptrs[DP_CONTEXT], *limit = steps_ptrs[DP_LIMIT];
     const int64_t *stops = steps_ptrs[DP_STOPS], *stop_start = steps_ptrs[DP_STOP_START], *tables = ptrs[SP_TABLES];
     const float *temperature = steps_ptrs[DP_TEMPERATURE], *uniform = steps_ptrs[DP_UNIFORM];
-    int64_t *tokens = steps_ptrs[DP_TOKENS], *counts = steps_ptrs[DP_COUNTS];
+    int64_t *tokens = steps_ptrs[DP_TOKENS], *counts = steps_ptrs[DP_COUNTS], *live = w->live;
     float *logprobs = steps_ptrs[DP_LOGPROBS];
-    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(5 * P + B));
-    char *h = malloc((size_t)(P * hidden * size + B * V * size));
-    float *x = malloc(sizeof(float) * (size_t)(2 * B * V + B + (threads > 0 ? threads : 1) * 4 * V));
-    int status = ids && h && x ? 0 : 1;
-    int64_t *positions = ids + P, *slots = positions + P, *seq = slots + P, *drawn = seq + P, *live = drawn + P;
-    char *logits = h + P * hidden * size;
-    float *lp = x + B * V, *u = lp + B * V, *prefixes = u + B;
+    int status = 0;
     int64_t n = 0; /* rows still running, in order */
-    for (int64_t b = 0; b < B; b++) {
-        counts[b] = 0;
+    for (int64_t b = first; b < last; b++)
         if (limit[b] > 0) live[n++] = b;
-    }
     for (int64_t k = 0; k < steps && n > 0 && !status; k++) {
         const int64_t padded = (n + tile - 1) / tile * tile;
         for (int64_t i = 0; i < padded; i++) {
             const int64_t b = live[i < n ? i : 0];
-            positions[i] = context[b] + k;
-            ids[i] = i >= n ? 0 : k ? tokens[(k - 1) * B + b] : ids_in[b];
-            slots[i] = tables[b * stride + positions[i] / block] * block + positions[i] % block; /* padding: unread */
-            seq[i] = b;
+            w->positions[i] = context[b] + k;
+            w->ids[i] = i >= n ? 0 : k ? tokens[(k - 1) * B + b] : ids_in[b];
+            w->slots[i] = tables[b * stride + w->positions[i] / block] * block + w->positions[i] % block; /* padding: unread */
+            w->seq[i] = b;
         }
         dims[SD_TOKENS] = n;
         dims[SD_PADDED] = padded;
-        ptrs[SP_IDS] = ids;
-        ptrs[SP_POSITIONS] = ptrs[SP_POS] = positions;
-        ptrs[SP_SLOTS] = slots;
-        ptrs[SP_SEQ] = seq;
-        ptrs[SP_OUT] = h;
+        ptrs[SP_IDS] = w->ids;
+        ptrs[SP_POSITIONS] = ptrs[SP_POS] = w->positions;
+        ptrs[SP_SLOTS] = w->slots;
+        ptrs[SP_SEQ] = w->seq;
+        ptrs[SP_OUT] = w->hidden;
         status = rz_decoder_stack(dims, ptrs, layer_dims, layer_ptrs, eps, norm_eps, scale, threads);
         if (!status)
-            status = layer_gemm(bf16, h, n, hidden, steps_ptrs[DP_LM_HEAD], V, steps_dims[DD_KBLOCK], logits, threads);
+            status = layer_gemm(bf16, w->hidden, n, hidden, steps_ptrs[DP_LM_HEAD], V, steps_dims[DD_KBLOCK], w->logits,
+                                threads);
         if (status) break;
         for (int64_t i = 0; i < n; i++) {
             const float t = temperature[live[i]];
-            float *row = x + i * V;
+            float *row = w->x + i * V;
             for (int64_t v = 0; v < V; v++)
-                row[v] = bf16 ? bf16_value(((const uint16_t *)logits)[i * V + v]) : ((const float *)logits)[i * V + v];
+                row[v] = bf16 ? bf16_value(((const uint16_t *)w->logits)[i * V + v]) : ((const float *)w->logits)[i * V + v];
             if (t != 1.0f)
                 for (int64_t v = 0; v < V; v++) row[v] = row[v] / t;
-            u[i] = uniform[k * B + live[i]];
+            w->u[i] = uniform[k * B + live[i]];
         }
-        status = rz_log_softmax(x, n, V, V, lp, threads);
-        if (!status) status = rz_inverse_cdf(lp, n, V, u, prefixes, drawn, threads);
+        status = rz_log_softmax(w->x, n, V, V, w->lp, threads);
+        if (!status) status = rz_inverse_cdf(w->lp, n, V, w->u, w->prefixes, w->drawn, threads);
         int64_t kept = 0;
         for (int64_t i = 0; i < n && !status; i++) {
-            const int64_t b = live[i], token = drawn[i];
+            const int64_t b = live[i], token = w->drawn[i];
             tokens[k * B + b] = token;
-            logprobs[k * B + b] = lp[i * V + token];
+            logprobs[k * B + b] = w->lp[i * V + token];
             int ends = ++counts[b] == limit[b];
             for (int64_t j = stop_start[b]; j < stop_start[b + 1] && !ends; j++) ends = stops[j] == token;
             if (!ends) live[kept++] = b;
         }
         n = kept;
     }
-    free(ids);
-    free(h);
-    free(x);
+    return status;
+}
+
+int rz_decode_steps(int64_t *dims, void **ptrs, int64_t *const *layer_dims, void **const *layer_ptrs, const float *eps,
+                    float norm_eps, float scale, int threads, const int64_t *steps_dims, void *const *steps_ptrs) {
+    const int64_t B = steps_dims[DD_ROWS], tile = steps_dims[DD_ROW_TILE], V = steps_dims[DD_VOCAB];
+    const int64_t chunk = steps_dims[DD_CHUNK] > 0 && steps_dims[DD_CHUNK] < B ? steps_dims[DD_CHUNK] : B;
+    const int64_t P = (chunk + tile - 1) / tile * tile, size = dims[SD_BF16] ? 2 : 4;
+    int64_t *counts = steps_ptrs[DP_COUNTS];
+    int64_t *index = malloc(sizeof(int64_t) * (size_t)(6 * P));
+    char *bytes = malloc((size_t)(P * (dims[SD_HIDDEN] + V) * size));
+    float *floats = malloc(sizeof(float) * (size_t)(2 * P * V + P + (threads > 0 ? threads : 1) * 4 * V));
+    int status = index && bytes && floats ? 0 : 1;
+    const DecodeWork w = {index, index + P, index + 2 * P, index + 3 * P, index + 4 * P, index + 5 * P,
+                          bytes, bytes + P * dims[SD_HIDDEN] * size,
+                          floats, floats + P * V, floats + 2 * P * V, floats + 2 * P * V + P};
+    for (int64_t b = 0; b < B; b++) counts[b] = 0;
+    for (int64_t first = 0; first < B && !status; first += chunk) /* each chunk through all of its steps */
+        status = chunk_steps(dims, ptrs, layer_dims, layer_ptrs, eps, norm_eps, scale, threads, steps_dims, steps_ptrs,
+                             first, first + chunk < B ? first + chunk : B, &w);
+    free(index);
+    free(bytes);
+    free(floats);
     return status;
 }
 
