@@ -44,7 +44,7 @@ def test_tokens_sampled_across_a_weight_update_are_drawn_again(tiny_dense_dir, n
     from rzero.rollout.record import Rollout
     from rzero.rollout.replay import redraw_mismatch
 
-    engine = Engine(tiny_dense_dir, numerics=numerics, dtype="bf16")
+    engine = Engine(tiny_dense_dir, numerics=numerics, dtype="bf16", decode_steps_per_call=4)  # an update mid-way
     w0 = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
     w1 = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v.dtype) for k, v in w0.items()}
     params = group_params(SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), 1, 0, 5)

@@ -585,13 +585,17 @@ async def alone_and_in_busy_batch(base_url: str, engine: Engine, probe: dict, bu
     others = [
         asyncio.create_task(
             client.completions.create(
-                model=MODEL, prompt="word " * (3 + 11 * i), max_tokens=40 + 3 * i, seed=100 + i,
+                model=MODEL, prompt="word " * (3 + 11 * i), max_tokens=160 + 3 * i, seed=100 + i,
                 temperature=[1.0, 0.7, 0.0][i % 3], top_p=[1.0, 0.9][i % 2],
             )
         )
         for i in range(busy)
     ]  # fmt: skip
-    while len(engine.running) < busy:  # (read from outside the engine thread: only to wait)
+    # (read from outside the engine thread: only to wait). Long enough answers that the first are
+    # still decoding when the last arrive, even at several decode steps per engine call.
+    deadline = time.monotonic() + 60
+    while len(engine.running) < busy:
+        assert time.monotonic() < deadline, f"only {len(engine.running)} of {busy} requests ever ran together"
         await asyncio.sleep(0.002)
     in_batch = await client.chat.completions.create(**probe)
     still_running = sum(not task.done() for task in others)
