@@ -5,10 +5,11 @@ with prompt chunks of new ones (chunked prefill, under a token budget; scheduler
 samples one token for every sequence whose tokens are all in the cache (sampler.py). Requests join
 and leave at any step. Once every running sequence only decodes, a step may run up to
 `decode_steps_per_call` decode steps in one model call, with the same results as one at a time
-(`_decode_steps`; docs/design.md, "Several decode steps per call"). A request's n samples run its prompt once: the others fork from the first
-when its prompt is computed (Scheduler.fork) and draw their first tokens from its logits. K/V
-live in a paged cache with a fixed number of blocks; when it is full the newest running sequence
-is preempted and later recomputed, which under invariant numerics gives back the same bits.
+(`_decode_steps`; docs/design.md, "Several decode steps per call"). A request's n samples run its
+prompt once: the others fork from the first when its prompt is computed (Scheduler.fork) and draw
+their first tokens from its logits. K/V live in a paged cache with a fixed number of blocks; when
+it is full the newest running sequence is preempted and later recomputed, which under invariant
+numerics gives back the same bits.
 
 Weight updates (`update_weights`) land between steps. In-flight requests are kept; by default
 their cached K/V are recomputed with the new weights, so that every token's behaviour logprob is

@@ -200,5 +200,6 @@ def decode_steps(
     if status == 5:
         raise IndexError(f"a token id is outside the embedding's {stack.vocab} rows")
     cpu_kernel._check(status)
-    CALLS[stack.plans[0].dtype_name] += len(stack.plans) * max(counts.tolist(), default=0)  # the steps that ran
+    ran = sum(max(chunk) for chunk in counts.split(row_tile) for chunk in [chunk.tolist()])  # steps of each chunk
+    CALLS[stack.plans[0].dtype_name] += len(stack.plans) * ran
     return tokens, logprobs, counts
