@@ -26,6 +26,15 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _padded_tables(block_tables: list[list[int]], lengths: np.ndarray) -> np.ndarray:
+    """Each table left-aligned in its row of an int64 array, zero after it: one fill from the
+    flattened tables (`lengths`: each table's length)."""
+    tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int64)
+    tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
+    return tables
+
+
 @dataclass
 class AttentionMeta:
     num_tokens: int  # T: real query tokens in the flat batch
@@ -82,13 +91,9 @@ class AttentionMeta:
             if q_lens[i] <= 0:
                 raise ValueError(f"sequence {i} has no query tokens")
             raise ValueError(f"sequence {i}: {len(block_tables[i])} blocks cannot hold {ctx_lens[i] + q_lens[i]} tokens")
-        total, n_blocks = int(q.sum()), int(lengths.max())
+        total = int(q.sum())
         max_q = _round_up(int(q.max()), Q_TILE)
-        # Each table left-aligned in its row, zero after it: one fill from the flattened tables.
-        tables = np.zeros((num_seqs, n_blocks), dtype=np.int64)
-        tables[np.arange(n_blocks) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum())
-        )
+        tables = _padded_tables(block_tables, lengths)
         if total == num_seqs:  # one query token per sequence (a decode step): the indices are ranges
             seq, offset, pos = np.arange(num_seqs), np.zeros(num_seqs, dtype=np.int64), ctx
         else:
@@ -199,10 +204,7 @@ class DecodeBatch:
         """`uniform`: each row's draws, one per step (B lists of steps)."""
         rows = len(ids)
         stops = [list(s) for s in stop_ids]
-        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=rows)
-        tables = np.zeros((rows, int(lengths.max())), dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
+        tables = _padded_tables(block_tables, np.fromiter(map(len, block_tables), dtype=np.int64, count=rows))
         return cls(
             ids=torch.tensor(ids, dtype=torch.int64),
             context=torch.tensor(context, dtype=torch.int64),

@@ -200,6 +200,7 @@ def decode_steps(
     if status == 5:
         raise IndexError(f"a token id is outside the embedding's {stack.vocab} rows")
     cpu_kernel._check(status)
-    ran = sum(max(chunk) for chunk in counts.split(row_tile) for chunk in [chunk.tolist()])  # steps of each chunk
+    per_row = counts.tolist()
+    ran = sum(max(per_row[i : i + row_tile]) for i in range(0, rows, row_tile))  # each chunk's steps
     CALLS[stack.plans[0].dtype_name] += len(stack.plans) * ran
     return tokens, logprobs, counts
